@@ -1,0 +1,80 @@
+"""Liveness of every value of a flat program: where it is made, where it is read.
+
+Pure functions over a `jlms._program.Program`; nothing here changes a program.
+
+Guarantees: `Liveness.uses[i]` lists, in increasing order and without repeats,
+the indices of the equations that read id `i`; a value that is an output of
+the program is also read at index `len(program)` (the end of the step).
+`producer[i]` is the index of the equation that makes `i`, or -1 for the
+program's inputs. `nbytes[i]` is the device size of id `i`, 0 for values
+without a plain memory layout (tokens, PRNG key arrays).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jlms import _compat
+from jlms._program import Program
+
+
+@dataclasses.dataclass(frozen=True)
+class Liveness:
+  producer: tuple[int, ...]
+  uses: tuple[tuple[int, ...], ...]
+  nbytes: tuple[int, ...]
+  end: int  # the index that stands for "read by the step's outputs"
+
+  def last_use(self, value: int) -> int:
+    uses = self.uses[value]
+    return uses[-1] if uses else self.producer[value]
+
+
+def aval_nbytes(aval) -> int:
+  """Bytes of one array of abstract value `aval` (0 when it has no layout)."""
+  shape = getattr(aval, "shape", None)
+  dtype = getattr(aval, "dtype", None)
+  if shape is None or dtype is None or _compat.is_extended_dtype(dtype):
+    return 0
+  return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def analyse(program: Program) -> Liveness:
+  n_values = len(program.avals)
+  producer = [-1] * n_values
+  uses: list[list[int]] = [[] for _ in range(n_values)]
+  for index, equation in enumerate(program.equations):
+    for out in equation.outputs:
+      producer[out] = index
+    for atom in equation.inputs:
+      if isinstance(atom, int) and (not uses[atom] or uses[atom][-1] != index):
+        uses[atom].append(index)
+  end = len(program)
+  for atom in program.outvars:
+    if isinstance(atom, int) and (not uses[atom] or uses[atom][-1] != end):
+      uses[atom].append(end)
+  return Liveness(
+      producer=tuple(producer),
+      uses=tuple(tuple(u) for u in uses),
+      nbytes=tuple(aval_nbytes(a) for a in program.avals),
+      end=end,
+  )
+
+
+def live_bytes_by_equation(liveness: Liveness) -> np.ndarray:
+  """Bytes of values alive while each equation runs (its inputs, its outputs
+  and everything made earlier and read later), in jaxpr order, program inputs
+  included. This is the jaxpr's own view of memory: XLA fuses and reorders, so
+  it is an upper-bound-like guide, not XLA's peak."""
+  n = liveness.end
+  delta = np.zeros(n + 2, dtype=np.int64)
+  for value, size in enumerate(liveness.nbytes):
+    if not size:
+      continue
+    start = max(liveness.producer[value], 0)
+    stop = liveness.last_use(value)
+    delta[start] += size
+    delta[min(stop, n) + 1] -= size
+  return np.cumsum(delta)[: n + 1]

@@ -1,0 +1,205 @@
+"""`jlms.offload`: a train step whose large, long-lived values live on host.
+
+`offload(step)` returns an `OffloadedStep` that behaves like
+`jax.jit(step)` (same results, same static/donated arguments, traceable
+itself) but whose program is the step's jaxpr rewritten by jlms: flattened,
+analysed for liveness, with swap-outs to pinned host memory and prefetches
+back pinned in place by optimization barriers.
+
+Guarantees: for every abstract signature the rewrite is computed once and
+cached; outputs equal `jax.jit(step)`'s (host copies are exact); calling the
+step under an outer trace (`jax.jit(step)`, `.lower` with
+`ShapeDtypeStruct`s of other devices) emits the rewritten program into that
+trace.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable, Sequence
+
+import jax
+
+from jlms import _compat
+from jlms._config import OffloadConfig, SyncMode
+from jlms._liveness import analyse
+from jlms._plan import Plan, build_plan
+from jlms._planner import Offload, plan_offloads
+from jlms._program import Program, flatten
+from jlms._rewrite import emit
+
+_CACHE_SIZE = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Analysis:
+  program: Program
+  offloads: tuple[Offload, ...]
+  plan: Plan
+  out_tree: Any
+
+
+def _as_tuple(x) -> tuple:
+  if x is None:
+    return ()
+  if isinstance(x, (int, str)):
+    return (x,)
+  return tuple(x)
+
+
+class OffloadedStep:
+  """A jitted train step with host offload. See `jlms.offload`."""
+
+  def __init__(self, fun: Callable, config: OffloadConfig, *,
+               static_argnums=(), static_argnames=(), donate_argnums=(),
+               donate_argnames=()):
+    if not callable(fun):
+      raise TypeError(f"jlms.offload expects a callable, got {type(fun)}")
+    functools.update_wrapper(self, fun)
+    self._fun = fun
+    self.config = config
+    self._static_argnums = _as_tuple(static_argnums)
+    self._static_argnames = _as_tuple(static_argnames)
+    self._analyses: collections.OrderedDict = collections.OrderedDict()
+    self._jitted = jax.jit(
+        self._rewritten, static_argnums=self._static_argnums,
+        static_argnames=self._static_argnames,
+        donate_argnums=_as_tuple(donate_argnums),
+        donate_argnames=_as_tuple(donate_argnames))
+
+  def __repr__(self) -> str:
+    name = getattr(self._fun, "__qualname__", repr(self._fun))
+    return f"jlms.offload({name}, {self.config})"
+
+  # -- the jax.jit surface -------------------------------------------------
+  def __call__(self, *args, **kwargs):
+    return self._jitted(*args, **kwargs)
+
+  def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+    """The `jax.stages.Lowered` of the rewritten program."""
+    return self._jitted.lower(*args, **kwargs)
+
+  def trace(self, *args, **kwargs) -> jax.stages.Traced:
+    return self._jitted.trace(*args, **kwargs)
+
+  def eval_shape(self, *args, **kwargs):
+    return self._jitted.eval_shape(*args, **kwargs)
+
+  # -- what it does ----------------------------------------------------------
+  def plan(self, *args, **kwargs) -> Plan:
+    """The offload plan for these arguments (arrays or ShapeDtypeStructs)."""
+    return self._analysis(args, kwargs).plan
+
+  # -- internals -----------------------------------------------------------
+  def _static_positions(self, nargs: int) -> set[int]:
+    return {i % nargs for i in self._static_argnums if -nargs <= i < nargs}
+
+  def _split_static(self, args, kwargs):
+    static_pos = self._static_positions(len(args))
+    dyn_args = tuple(None if i in static_pos else a for i, a in enumerate(args))
+    static_args = tuple((i, args[i]) for i in sorted(static_pos))
+    dyn_kwargs = {k: v for k, v in kwargs.items()
+                  if k not in self._static_argnames}
+    static_kwargs = tuple(sorted((k, v) for k, v in kwargs.items()
+                                 if k in self._static_argnames))
+    leaves, treedef = jax.tree.flatten((dyn_args, dyn_kwargs))
+    return leaves, treedef, static_args, static_kwargs
+
+  def _analysis(self, args, kwargs) -> _Analysis:
+    leaves, treedef, static_args, static_kwargs = self._split_static(
+        args, kwargs)
+    key = (treedef, static_args, static_kwargs,
+           tuple(_compat.abstractify(x) for x in leaves))
+    cached = self._analyses.get(key)
+    if cached is not None:
+      self._analyses.move_to_end(key)
+      return cached
+    out_trees = []
+
+    def flat_fun(*flat):
+      dyn_args, dyn_kwargs = jax.tree.unflatten(treedef, flat)
+      full_args = list(dyn_args)
+      for i, value in static_args:
+        full_args[i] = value
+      out = self._fun(*full_args, **dyn_kwargs, **dict(static_kwargs))
+      out_leaves, out_tree = jax.tree.flatten(out)
+      out_trees.append(out_tree)
+      return out_leaves
+
+    try:
+      closed = jax.make_jaxpr(flat_fun)(*leaves)
+    except jax.errors.JAXTypeError as e:
+      e.add_note("jlms.offload traces the step like jax.jit does: it must be "
+                 "jittable (mark Python-valued arguments static with "
+                 "static_argnums/static_argnames).")
+      raise
+    program = flatten(closed)
+    liveness = analyse(program)
+    offloads = plan_offloads(program, liveness, self.config)
+    analysis = _Analysis(program, offloads,
+                         build_plan(program, liveness, offloads, self.config),
+                         out_trees[-1])
+    self._analyses[key] = analysis
+    if len(self._analyses) > _CACHE_SIZE:
+      self._analyses.popitem(last=False)
+    return analysis
+
+  def _rewritten(self, *args, **kwargs):
+    analysis = self._analysis(args, kwargs)
+    leaves = self._split_static(args, kwargs)[0]
+    outs = emit(analysis.program, analysis.offloads, self.config, leaves)
+    return jax.tree.unflatten(analysis.out_tree, outs)
+
+
+def offload(fun: Callable | None = None, *,
+            min_bytes: int = OffloadConfig.min_bytes,
+            swapout_threshold: int = OffloadConfig.swapout_threshold,
+            prefetch_ahead: int = OffloadConfig.prefetch_ahead,
+            swapin_groupby: int | None = OffloadConfig.swapin_groupby,
+            sync_mode: int | SyncMode = OffloadConfig.sync_mode,
+            static_argnums: int | Sequence[int] = (),
+            static_argnames: str | Sequence[str] = (),
+            donate_argnums: int | Sequence[int] = (),
+            donate_argnames: str | Sequence[str] = ()):
+  """Wraps a train step so that its large, long-lived values live on host.
+
+  Use like `jax.jit`: `step = jlms.offload(train_step)` or as a decorator,
+  with or without arguments. The step's jaxpr (forward, backward and update
+  together) is flattened, every value's reads are found, and each floating
+  point value of at least `min_bytes` that is not read for more than
+  `swapout_threshold` equations is copied to pinned host memory after its
+  last near read and brought back `prefetch_ahead` equations before it is
+  needed again.
+
+  Args:
+    fun: the step, any jittable function of pytrees of arrays.
+    min_bytes: smallest value offloaded, in bytes (default 1 MiB).
+    swapout_threshold: gap between two reads of a value, in equations of the
+      flattened step, beyond which it is offloaded (default 20).
+    prefetch_ahead: how many equations before its next read a value is
+      copied back (default 2).
+    swapin_groupby: reads at most this many equations apart share one copy
+      back; None (default) means `swapout_threshold`.
+    sync_mode: 0 overlap everything, 1 (default) compute waits for each
+      swap-out, 2 it waits for each swap-in, 3 both (see `jlms.SyncMode`).
+    static_argnums, static_argnames, donate_argnums, donate_argnames: as in
+      `jax.jit`.
+
+  Returns:
+    An `OffloadedStep`: call it like the step; `.lower(...)`, `.trace(...)`
+    and `.plan(...)` inspect it.
+  """
+  config = OffloadConfig(min_bytes=min_bytes,
+                         swapout_threshold=swapout_threshold,
+                         prefetch_ahead=prefetch_ahead,
+                         swapin_groupby=swapin_groupby, sync_mode=sync_mode)
+  jit_options = dict(static_argnums=static_argnums,
+                     static_argnames=static_argnames,
+                     donate_argnums=donate_argnums,
+                     donate_argnames=donate_argnames)
+  if fun is None:
+    return lambda f: OffloadedStep(f, config, **jit_options)
+  return OffloadedStep(fun, config, **jit_options)

@@ -1,0 +1,83 @@
+"""Choosing what to offload: a pure function of a program, its liveness and the knobs.
+
+Guarantees, for every `Offload` returned:
+- the value is made by an equation of the program (never a program input,
+  which the caller keeps alive anyway), is floating point, lives in device
+  memory and is at least `min_bytes` large;
+- `swap_out_after` is the read right before the first gap longer than
+  `swapout_threshold` (or the producer, if that gap starts there);
+- every later read belongs to exactly one `SwapIn`, whose `issue_before` lies
+  strictly after `swap_out_after` and at or before its first read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jlms._config import OffloadConfig
+from jlms._liveness import Liveness
+from jlms._program import Program
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapIn:
+  issue_before: int  # the copy to device is emitted right before this equation
+  reads: tuple[int, ...]  # the equations served by this device copy
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+  value: int
+  swap_out_after: int
+  swap_ins: tuple[SwapIn, ...]
+
+
+def is_offloadable(aval) -> bool:
+  dtype = getattr(aval, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+    return False
+  space = getattr(aval, "memory_space", None)
+  # Values the program itself already placed on host are left alone.
+  return space is None or "host" not in str(space).lower()
+
+
+def plan_offloads(program: Program, liveness: Liveness,
+                  config: OffloadConfig) -> tuple[Offload, ...]:
+  offloads = []
+  for value, nbytes in enumerate(liveness.nbytes):
+    if (nbytes < config.min_bytes or liveness.producer[value] < 0
+        or not is_offloadable(program.avals[value])):
+      continue
+    offload = _plan_value(value, liveness.producer[value],
+                          liveness.uses[value], config)
+    if offload is not None:
+      offloads.append(offload)
+  return tuple(offloads)
+
+
+def _plan_value(value: int, producer: int, reads: tuple[int, ...],
+                config: OffloadConfig) -> Offload | None:
+  previous = producer
+  first_far = None
+  for position, read in enumerate(reads):
+    if read - previous > config.swapout_threshold:
+      first_far = position
+      break
+    previous = read
+  if first_far is None:
+    return None
+  swap_out_after = previous
+  groups: list[list[int]] = []
+  for read in reads[first_far:]:
+    if groups and read - groups[-1][-1] <= config.groupby:
+      groups[-1].append(read)
+    else:
+      groups.append([read])
+  swap_ins = tuple(
+      SwapIn(issue_before=max(group[0] - config.prefetch_ahead,
+                              swap_out_after + 1),
+             reads=tuple(group))
+      for group in groups)
+  return Offload(value, swap_out_after, swap_ins)

@@ -1,0 +1,111 @@
+"""A train step as one flat, numbered list of equations.
+
+`flatten` turns a closed jaxpr into a `Program`: nested `jax.jit` and
+`closed_call` bodies are inlined (their equations become top-level ones, with
+the caller's name stack in front of theirs), every value gets an integer id,
+and literals and constants become `Const` atoms. Higher-order primitives that
+are not plain calls (scan, while, cond, remat, custom_jvp/vjp, ...) stay single
+equations with their sub-jaxprs untouched.
+
+Guarantees: running the equations in order with `jlms._compat.bind_equation`
+computes exactly what the jaxpr computes; `Program.avals[i]` is the abstract
+value of id `i`; equation indices are positions in that order, which is the
+unit of every distance jlms talks about.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Union
+
+from jlms import _compat
+
+
+@dataclasses.dataclass(frozen=True)
+class Const:
+  """A value known when the program is built: a literal or a captured array."""
+  value: Any
+
+
+Atom = Union[int, Const]
+
+
+@dataclasses.dataclass(frozen=True)
+class Equation:
+  eqn: Any  # the original JaxprEqn: primitive, params, source info, context
+  inputs: tuple[Atom, ...]
+  outputs: tuple[int, ...]
+  name_stack: Any
+
+  @property
+  def primitive(self):
+    return self.eqn.primitive
+
+  def readable_name(self) -> str:
+    stack = str(self.name_stack)
+    prim = self.eqn.primitive.name
+    return f"{stack}/{prim}" if stack else prim
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  invars: tuple[int, ...]
+  outvars: tuple[Atom, ...]
+  equations: tuple[Equation, ...]
+  avals: tuple[Any, ...]  # id -> abstract value
+
+  def __len__(self) -> int:
+    return len(self.equations)
+
+
+def flatten(closed_jaxpr, inline_calls: bool = True) -> Program:
+  """Flattens `closed_jaxpr` into a `Program` (see the module docstring)."""
+  avals: list = []
+  equations: list[Equation] = []
+
+  def new_id(aval) -> int:
+    avals.append(aval)
+    return len(avals) - 1
+
+  def read(env, atom) -> Atom:
+    if isinstance(atom, _compat.Literal):
+      return Const(atom.val)
+    return env[atom]
+
+  def walk(jaxpr, consts, args: list[Atom], name_stack) -> list[Atom]:
+    env: dict = {}
+    for var, const in zip(jaxpr.constvars, consts):
+      env[var] = Const(const)
+    for var, arg in zip(jaxpr.invars, args):
+      env[var] = arg
+    for eqn in jaxpr.eqns:
+      inputs = [read(env, v) for v in eqn.invars]
+      stack = name_stack + eqn.source_info.name_stack
+      if inline_calls and _is_inlinable(eqn):
+        body, body_consts = _compat.call_body(eqn)
+        inner_stack = stack
+        if "name" in eqn.params:
+          inner_stack = _compat.extend_name_stack(stack, eqn.params["name"])
+        results = walk(body, body_consts, inputs, inner_stack)
+        for var, result in zip(eqn.outvars, results):
+          env[var] = result
+        continue
+      outputs = tuple(new_id(v.aval) for v in eqn.outvars)
+      for var, out in zip(eqn.outvars, outputs):
+        if not isinstance(var, _compat.DropVar):
+          env[var] = out
+      equations.append(Equation(eqn, tuple(inputs), outputs, stack))
+    return [read(env, v) for v in jaxpr.outvars]
+
+  jaxpr, consts = _compat.jaxpr_parts(closed_jaxpr)
+  invars = tuple(new_id(v.aval) for v in jaxpr.invars)
+  outvars = walk(jaxpr, consts, list(invars), _compat.empty_name_stack())
+  return Program(invars, tuple(outvars), tuple(equations), tuple(avals))
+
+
+def _is_inlinable(eqn) -> bool:
+  if eqn.primitive not in _compat.INLINABLE_CALL_PRIMITIVES:
+    return False
+  if _compat.is_jit_primitive(eqn.primitive):
+    return _compat.jit_is_plain(eqn)
+  return True

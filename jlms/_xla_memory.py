@@ -1,0 +1,376 @@
+"""What XLA says a program needs in memory, on a GPU that need not be there.
+
+`xla_memory(fn, *args)` compiles `fn` with XLA's real GPU pipeline for a named
+target (an H100, H200 or A100 described by the `targets/*.txtpb` files), or for
+the local backend, and returns the compiler's own accounting as an
+`XlaMemory`. Guarantees:
+
+- The numbers are `compiled.memory_analysis()` of that one compile, unchanged;
+  nothing is estimated here. They are per device: for a program sharded over
+  `topology="1x1x8"` they describe one of the eight GPUs.
+- For a GPU target every array argument is compiled as an abstract value placed
+  on the target's first device, unless its sharding already lives on that
+  target's topology (then it is kept), so concrete CPU arrays, numpy arrays and
+  `jax.ShapeDtypeStruct`s all measure the same. No data is ever transferred.
+- When deviceless compilation cannot work on this machine the error is a
+  `DevicelessUnavailableError` whose message says what to install or set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import importlib.util
+import os
+import re
+from typing import Any, Callable
+
+import jax
+from jax.experimental import topologies
+from jax.sharding import SingleDeviceSharding
+
+# Target name -> GpuTargetConfigProto (text format) shipped in jlms/targets.
+_GPU_TARGET_FILES = {
+    "h100": "h100.txtpb",
+    "h200": "h200.txtpb",
+    "a100": "a100.txtpb",
+}
+LOCAL_TARGET = "local"
+KNOWN_TARGETS = (*sorted(_GPU_TARGET_FILES), LOCAL_TARGET)
+
+# The CUDA PJRT plugin packages register themselves under these module names.
+_CUDA_PLUGIN_MODULES = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+
+_MIB = 1 << 20
+
+
+class DevicelessUnavailableError(RuntimeError):
+    """Deviceless GPU compilation is not possible in this Python process."""
+
+
+_INSTALL_AOT_ADVICE = (
+    "Install the deviceless-compilation extra: pip install 'jlms[aot]' "
+    "(it installs jax-cuda13-plugin, jax-cuda13-pjrt, nvidia-cuda-nvcc for "
+    "ptxas and nvidia-nvvm for libdevice)."
+)
+_SET_PLATFORMS_ADVICE = (
+    "Set JAX_PLATFORMS=cpu in the environment before jax is first imported "
+    "(e.g. `JAX_PLATFORMS=cpu python ...`, or "
+    "`os.environ['JAX_PLATFORMS'] = 'cpu'` at the very top of the script): "
+    "without a GPU the CUDA plugin fails its start-up check and its "
+    "compile-only topology is never registered. On a machine with a GPU, "
+    "target='local' measures the attached device instead."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaMemory:
+    """XLA's memory accounting of one compiled program, in bytes per device."""
+
+    target: str
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    host_argument_bytes: int
+    host_output_bytes: int
+    host_temp_bytes: int
+    generated_code_bytes: int
+    host_offloaded_buffers: int
+    # The optimized HLO of the compile; kept for inspection, too long to print.
+    hlo_text: str = dataclasses.field(default="", repr=False, compare=False)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Device peak of the step as XLA's buffer assignment sees it.
+
+        Arguments and outputs stay allocated for the whole call, donated
+        arguments that XLA reuses for outputs count once, and temporaries
+        are the size of the scheduled temp allocation.
+        """
+        return (
+            self.argument_bytes
+            + self.output_bytes
+            - self.alias_bytes
+            + self.temp_bytes
+        )
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes the program keeps in host memory (offloaded or host args)."""
+        return (
+            self.host_argument_bytes + self.host_output_bytes + self.host_temp_bytes
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The quantities as plain JSON-serializable values, without HLO."""
+        values = {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if field.name != "hlo_text"
+        }
+        values["peak_bytes"] = self.peak_bytes
+        values["host_bytes"] = self.host_bytes
+        return values
+
+    def __str__(self) -> str:
+        byte_rows = (
+            ("device arguments", self.argument_bytes),
+            ("device outputs", self.output_bytes),
+            ("aliased (donated)", self.alias_bytes),
+            ("device temporaries", self.temp_bytes),
+            ("device peak", self.peak_bytes),
+            ("host arguments", self.host_argument_bytes),
+            ("host outputs", self.host_output_bytes),
+            ("host temporaries", self.host_temp_bytes),
+            ("host total", self.host_bytes),
+            ("generated code", self.generated_code_bytes),
+        )
+        lines = [f"XLA memory on {self.target}:"]
+        lines += [f"  {name:<20}{value / _MIB:12.2f} MiB" for name, value in byte_rows]
+        lines.append(f"  {'host buffers':<20}{self.host_offloaded_buffers:12d}")
+        return "\n".join(lines)
+
+
+def target_devices(target: str = "h100", topology: str = "1x1x1") -> list:
+    """The devices programs for `target` are compiled for.
+
+    For a GPU target these are compile-only devices of a deviceless topology
+    (`topology` is `<slices>x<hosts>x<gpus per host>`); the same objects are
+    returned on every call, so shardings built from them are recognised by
+    `xla_memory`. For "local" they are `jax.devices()` and `topology` is not
+    used.
+    """
+    _check_target(target)
+    if target == LOCAL_TARGET:
+        return jax.devices()
+    return list(_gpu_topology(target, topology).devices)
+
+
+def xla_memory(
+    fn: Callable,
+    *args: Any,
+    target: str = "h100",
+    topology: str = "1x1x1",
+    **kwargs: Any,
+) -> XlaMemory:
+    """Compiles `fn(*args, **kwargs)` for `target` and returns XLA's memory.
+
+    Args:
+      fn: a callable; one with a `.lower(*args, **kwargs)` method (a `jax.jit`
+        object or a jlms step) is lowered through it, anything else through
+        `jax.jit(fn)`.
+      *args, **kwargs: pytrees of jax arrays, numpy arrays, Python scalars or
+        `jax.ShapeDtypeStruct`s. Python scalars are passed unchanged (weakly
+        typed under jit).
+      target: "h100", "h200", "a100" (deviceless GPU compile) or "local" (the
+        default local backend, with the arguments exactly as given).
+      topology: GPU layout `<slices>x<hosts>x<gpus per host>` of a GPU target.
+
+    Returns:
+      An `XlaMemory` with the compiled program's per-device bytes.
+
+    Raises:
+      ValueError: `target` is not a known target.
+      DevicelessUnavailableError: a GPU target cannot be compiled here.
+    """
+    _check_target(target)
+    if target != LOCAL_TARGET:
+        devices = _gpu_topology(target, topology).devices
+        args, kwargs = _place_on_target((args, kwargs), devices)
+    lower = fn.lower if hasattr(fn, "lower") else jax.jit(fn).lower
+    lowered = lower(*args, **kwargs)
+    try:
+        compiled = lowered.compile()
+    except Exception as error:
+        if target != LOCAL_TARGET and _names_missing_cuda_tool(str(error)):
+            raise DevicelessUnavailableError(
+                f"Compiling for {target!r} needs ptxas and libdevice, which "
+                f"were not found. {_INSTALL_AOT_ADVICE}"
+            ) from error
+        raise
+    return _memory_of(compiled, target)
+
+
+def _check_target(target: str) -> None:
+    if target not in KNOWN_TARGETS:
+        raise ValueError(
+            f"unknown target {target!r}; known targets: {', '.join(KNOWN_TARGETS)}"
+        )
+
+
+@functools.cache
+def _gpu_topology(target: str, topology: str) -> topologies.TopologyDescription:
+    # Cached because creating it is slow and because devices of two creations
+    # never compare equal: shardings must be built from the ones we compile on.
+    target_config = (
+        importlib.resources.files("jlms")
+        .joinpath("targets")
+        .joinpath(_GPU_TARGET_FILES[target])
+        .read_text()
+    )
+    try:
+        return topologies.get_topology_desc(
+            platform="cuda", target_config=target_config, topology=topology
+        )
+    except NotImplementedError as error:
+        raise DevicelessUnavailableError(
+            f"No deviceless CUDA topology for target {target!r}: "
+            f"{_why_no_cuda_topology()}"
+        ) from error
+
+
+def _why_no_cuda_topology() -> str:
+    # jax reports both causes with the same "topology not implemented for
+    # cuda", so tell them apart by what is installed and configured.
+    if not _cuda_plugin_installed():
+        return f"the CUDA PJRT plugin is not installed. {_INSTALL_AOT_ADVICE}"
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms.strip().lower() != "cpu":
+        shown = f"JAX_PLATFORMS={platforms!r}" if platforms else "JAX_PLATFORMS unset"
+        return f"jax was imported with {shown}. {_SET_PLATFORMS_ADVICE}"
+    return (
+        "the CUDA plugin is installed and JAX_PLATFORMS=cpu, yet jax registered "
+        f"no CUDA topology; was JAX_PLATFORMS set only after jax was imported? "
+        f"{_SET_PLATFORMS_ADVICE} If it was, reinstall the extra. "
+        f"{_INSTALL_AOT_ADVICE}"
+    )
+
+
+def _cuda_plugin_installed() -> bool:
+    return any(importlib.util.find_spec(name) for name in _CUDA_PLUGIN_MODULES)
+
+
+def _names_missing_cuda_tool(message: str) -> bool:
+    lowered = message.lower()
+    return ("libdevice" in lowered or "ptxas" in lowered) and (
+        "not found" in lowered or "no such file" in lowered
+        or "couldn't find" in lowered or "could not find" in lowered
+    )
+
+
+def _place_on_target(tree: Any, devices: list) -> Any:
+    """Abstract array leaves onto `devices[0]`, keeping target shardings."""
+    target_devices_set = frozenset(devices)
+    first_device = SingleDeviceSharding(devices[0])
+
+    def place(leaf: Any) -> Any:
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            return leaf
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None or not sharding.device_set <= target_devices_set:
+            sharding = first_device
+        return jax.ShapeDtypeStruct(
+            leaf.shape,
+            leaf.dtype,
+            sharding=sharding,
+            weak_type=getattr(leaf, "weak_type", False),
+        )
+
+    return jax.tree.map(place, tree)
+
+
+def _memory_of(compiled: jax.stages.Compiled, target: str) -> XlaMemory:
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError(
+            f"the {target!r} backend gives no memory analysis for compiled code"
+        )
+    hlo_text = compiled.as_text() or ""
+    return XlaMemory(
+        target=target,
+        argument_bytes=stats.argument_size_in_bytes,
+        output_bytes=stats.output_size_in_bytes,
+        alias_bytes=stats.alias_size_in_bytes,
+        temp_bytes=stats.temp_size_in_bytes,
+        host_argument_bytes=stats.host_argument_size_in_bytes,
+        host_output_bytes=stats.host_output_size_in_bytes,
+        host_temp_bytes=stats.host_temp_size_in_bytes,
+        generated_code_bytes=stats.generated_code_size_in_bytes,
+        host_offloaded_buffers=count_host_buffers(hlo_text),
+        hlo_text=hlo_text,
+    )
+
+
+# Memory space 5 is host memory in XLA's layouts: `f32[8]{0:S(5)}`.
+_HOST_SPACE = "S(5)"
+_COMPUTATION_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_CALLEE = re.compile(r"\bcalls=%([\w.\-]+)")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+
+
+def count_host_buffers(hlo_text: str) -> int:
+    """How many values the HLO module brings into host memory (space S(5)).
+
+    A host buffer is counted where it enters host memory: at an instruction
+    whose shape carries S(5) while none of its operands' shapes do (a
+    `copy-start` from device, an `AllocateBuffer` custom call, a host entry
+    parameter). Instructions that only pass a host value on (tuples, while
+    loops, get-tuple-element, the `copy-done` of the same copy, in-place
+    dynamic-update-slice) are not new buffers, nor are parameters of while
+    bodies and conditions. Instructions inside computations reached through
+    `calls=` (fusion and async bodies) are counted once, at the call site.
+    """
+    shapes: dict[str, str] = {}
+    # (shape, computation, in entry computation, opcode and operands)
+    rows: list[tuple[str, str, bool, str]] = []
+    called_bodies: set[str] = set()
+    computation, in_entry = "", False
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION_HEADER.match(line)
+        if header and line.rstrip().endswith("{"):
+            in_entry, computation = bool(header.group(1)), header.group(2)
+            continue
+        instruction = _INSTRUCTION.match(line)
+        if not instruction:
+            continue
+        name, rest = instruction.groups()
+        shape, opcode_and_operands = _split_shape(rest)
+        shapes[name] = shape
+        rows.append((shape, computation, in_entry, opcode_and_operands))
+        called_bodies.update(_CALLEE.findall(opcode_and_operands))
+
+    count = 0
+    for shape, computation, in_entry, opcode_and_operands in rows:
+        if _HOST_SPACE not in shape or computation in called_bodies:
+            continue
+        opcode, operands = _split_operands(opcode_and_operands)
+        if opcode == "parameter" and not in_entry:
+            continue
+        if any(_HOST_SPACE in shapes.get(operand, "") for operand in operands):
+            continue
+        count += 1
+    return count
+
+
+def _split_shape(text: str) -> tuple[str, str]:
+    """`(f32[2]{0:S(5)}, u32[]) copy-start(%x)` -> shape, `copy-start(%x)`."""
+    if not text.startswith("("):
+        shape, _, rest = text.partition(" ")
+        return shape, rest
+    end = _closing_paren(text, 0)
+    return text[: end + 1], text[end + 1 :].lstrip()
+
+
+def _split_operands(text: str) -> tuple[str, list[str]]:
+    """`copy-start(%x, %y), metadata=...` -> "copy-start", ["x", "y"]."""
+    opcode, paren, _ = text.partition("(")
+    if not paren:
+        return opcode.strip(), []
+    start = len(opcode)
+    operand_list = text[start + 1 : _closing_paren(text, start)]
+    return opcode.strip(), _OPERAND.findall(operand_list)
+
+
+def _closing_paren(text: str, start: int) -> int:
+    depth = 0
+    for index in range(start, len(text)):
+        if text[index] == "(":
+            depth += 1
+        elif text[index] == ")":
+            depth -= 1
+            if depth == 0:
+                return index
+    return len(text)
