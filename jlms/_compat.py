@@ -14,10 +14,11 @@ Checked with jax 0.10.2. Known breaks to watch (see STYLE.md):
 
 from __future__ import annotations
 
-import contextlib
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as _jex_core
 from jax.extend import source_info_util as _source_info
 
@@ -79,29 +80,79 @@ def jit_is_plain(eqn) -> bool:
           and not params.get("compiler_options_kvs"))
 
 
-def bind_params(eqn) -> tuple[tuple, dict]:
-  """(leading sub-functions, keyword params) to re-bind `eqn`'s primitive."""
-  got = eqn.primitive.get_bind_params(eqn.params)
-  if isinstance(got, tuple):  # jax < 0.9.2
-    subfuns, params = got
-    return tuple(subfuns), params
-  params = dict(got)
-  subfuns = params.pop("subfuns", ())
-  return tuple(subfuns), params
+def new_var(aval):
+  return Var(aval)
 
 
-def bind_equation(eqn, invals, name_stack):
-  """Binds `eqn`'s primitive on `invals` in the current trace, keeping its
-  source location, name stack and per-equation context (mesh, compute type)."""
-  subfuns, params = bind_params(eqn)
-  with _source_info.user_context(eqn.source_info.traceback,
-                                 name_stack=name_stack), eqn.ctx.manager:
-    out = eqn.primitive.bind(*subfuns, *invals, **params)
-  return out if eqn.primitive.multiple_results else [out]
+def new_dropvar(aval):
+  return DropVar(aval)
 
 
-def current_name_stack():
-  return _source_info.current_name_stack()
+def memory_space_aval(aval, space):
+  """`aval` placed in memory space `space` (a `jax.memory.Space`)."""
+  return aval.update(memory_space=space)
+
+
+@functools.cache
+def _template_equation(kind: str):
+  # Equations are copied from a tiny traced template so that jlms never spells
+  # out a primitive's params (they change between JAX versions).
+  x = jax.ShapeDtypeStruct((), jnp.float32)
+  if kind == "barrier":
+    fn = jax.lax.optimization_barrier
+  else:
+    space = jax.memory.Space.Host if kind == "to_host" else jax.memory.Space.Device
+    fn = lambda v: jax.device_put(v, space)
+  return jax.make_jaxpr(fn)(x).jaxpr.eqns[0]
+
+
+def device_put_equation(invar, outvar, to_host: bool, anchor_eqn, name: str):
+  """A `device_put` of `invar` to pinned host (or back to device)."""
+  template = _template_equation("to_host" if to_host else "to_device")
+  return _copy_equation(template, [invar], [outvar], anchor_eqn, name)
+
+
+def barrier_equation(invars, outvars, anchor_eqn, name: str):
+  """An `optimization_barrier` whose outputs are its inputs."""
+  return _copy_equation(_template_equation("barrier"), invars, outvars,
+                        anchor_eqn, name)
+
+
+def _copy_equation(template, invars, outvars, anchor_eqn, name):
+  source_info = anchor_eqn.source_info.replace(
+      name_stack=anchor_eqn.source_info.name_stack.extend(name))
+  return template.replace(invars=list(invars), outvars=list(outvars),
+                          source_info=source_info, ctx=anchor_eqn.ctx)
+
+
+def rebuilt_equation(eqn, invars, outvars, name_stack):
+  """`eqn` reading `invars` and writing `outvars`, under its full name stack."""
+  return eqn.replace(invars=list(invars), outvars=list(outvars),
+                     source_info=eqn.source_info.replace(name_stack=name_stack))
+
+
+def closed_jaxpr(constvars, consts, invars, outvars, eqns, debug_info):
+  effects = frozenset().union(*(e.effects for e in eqns))
+  jaxpr = Jaxpr(constvars, invars, outvars, eqns, effects,
+                debug_info=debug_info)
+  return ClosedJaxpr(jaxpr, list(consts))
+
+
+def call_template(closed) -> tuple[dict, Any] | None:
+  """(params, debug info) of the single jit equation that
+  `jax.make_jaxpr(jax.jit(f))` produces, or None if it produced another
+  shape of jaxpr."""
+  jaxpr, _ = jaxpr_parts(closed)
+  if len(jaxpr.eqns) != 1 or not is_jit_primitive(jaxpr.eqns[0].primitive):
+    return None
+  params = jaxpr.eqns[0].params
+  return dict(params), params["jaxpr"].jaxpr.debug_info
+
+
+def bind_jit(params: dict, closed, args) -> list:
+  """Stages (or runs) `closed` as one nested-jit equation on `args`: one bind,
+  however many equations `closed` has."""
+  return _JIT_PRIMITIVES[0].bind(*args, **{**params, "jaxpr": closed})
 
 
 def extend_name_stack(stack, name: str):
@@ -130,8 +181,3 @@ def abstractify(leaf):
 def is_extended_dtype(dtype) -> bool:
   """PRNG key arrays and other dtypes that have no plain memory layout."""
   return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
-
-
-@contextlib.contextmanager
-def no_context():
-  yield

@@ -29,7 +29,7 @@ from jlms._liveness import analyse
 from jlms._plan import Plan, build_plan
 from jlms._planner import Offload, plan_offloads
 from jlms._program import Program, flatten
-from jlms._rewrite import emit
+from jlms._rewrite import rewrite
 
 _CACHE_SIZE = 32
 
@@ -40,6 +40,8 @@ class _Analysis:
   offloads: tuple[Offload, ...]
   plan: Plan
   out_tree: Any
+  rewritten: Any  # the closed jaxpr that runs
+  jit_params: dict  # params of the nested-jit equation that stages it
 
 
 def _as_tuple(x) -> tuple:
@@ -130,18 +132,22 @@ class OffloadedStep:
       return out_leaves
 
     try:
-      closed = jax.make_jaxpr(flat_fun)(*leaves)
+      # Traced under a jit so that the jaxpr carries the params of a nested
+      # jit equation: the rewritten program is staged as one such equation.
+      closed = jax.make_jaxpr(jax.jit(flat_fun))(*leaves)
     except jax.errors.JAXTypeError as e:
       e.add_note("jlms.offload traces the step like jax.jit does: it must be "
                  "jittable (mark Python-valued arguments static with "
                  "static_argnums/static_argnames).")
       raise
+    jit_params, debug_info = _compat.call_template(closed)
     program = flatten(closed)
     liveness = analyse(program)
     offloads = plan_offloads(program, liveness, self.config)
-    analysis = _Analysis(program, offloads,
-                         build_plan(program, liveness, offloads, self.config),
-                         out_trees[-1])
+    analysis = _Analysis(
+        program, offloads,
+        build_plan(program, liveness, offloads, self.config), out_trees[-1],
+        rewrite(program, offloads, self.config, debug_info), jit_params)
     self._analyses[key] = analysis
     if len(self._analyses) > _CACHE_SIZE:
       self._analyses.popitem(last=False)
@@ -150,7 +156,7 @@ class OffloadedStep:
   def _rewritten(self, *args, **kwargs):
     analysis = self._analysis(args, kwargs)
     leaves = self._split_static(args, kwargs)[0]
-    outs = emit(analysis.program, analysis.offloads, self.config, leaves)
+    outs = _compat.bind_jit(analysis.jit_params, analysis.rewritten, leaves)
     return jax.tree.unflatten(analysis.out_tree, outs)
 
 

@@ -2,7 +2,7 @@
 
 Guarantees, for every `Offload` returned:
 - the value is made by an equation of the program (never a program input,
-  which the caller keeps alive anyway), is floating point, lives in device
+  which the caller keeps alive anyway), has a plain memory layout (no PRNG keys or tokens), lives in device
   memory and is at least `min_bytes` large;
 - `swap_out_after` is the read right before the first gap longer than
   `swapout_threshold` (or the producer, if that gap starts there);
@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
-
+from jlms import _compat
 from jlms._config import OffloadConfig
 from jlms._liveness import Liveness
 from jlms._program import Program
@@ -36,7 +35,7 @@ class Offload:
 
 def is_offloadable(aval) -> bool:
   dtype = getattr(aval, "dtype", None)
-  if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+  if dtype is None or _compat.is_extended_dtype(dtype):
     return False
   space = getattr(aval, "memory_space", None)
   # Values the program itself already placed on host are left alone.

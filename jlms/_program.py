@@ -7,8 +7,8 @@ and literals and constants become `Const` atoms. Higher-order primitives that
 are not plain calls (scan, while, cond, remat, custom_jvp/vjp, ...) stay single
 equations with their sub-jaxprs untouched.
 
-Guarantees: running the equations in order with `jlms._compat.bind_equation`
-computes exactly what the jaxpr computes; `Program.avals[i]` is the abstract
+Guarantees: the equations, in order, compute exactly what the jaxpr
+computes; `Program.avals[i]` is the abstract
 value of id `i`; equation indices are positions in that order, which is the
 unit of every distance jlms talks about.
 """
@@ -21,10 +21,12 @@ from typing import Any, Union
 from jlms import _compat
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Const:
-  """A value known when the program is built: a literal or a captured array."""
+  """A value known when the program is built: a jaxpr literal, or an array
+  the step closed over (which becomes a constant of the rewritten jaxpr)."""
   value: Any
+  literal: Any = None  # the original Literal atom, when there is one
 
 
 Atom = Union[int, Const]
@@ -69,7 +71,7 @@ def flatten(closed_jaxpr, inline_calls: bool = True) -> Program:
 
   def read(env, atom) -> Atom:
     if isinstance(atom, _compat.Literal):
-      return Const(atom.val)
+      return Const(atom.val, literal=atom)
     return env[atom]
 
   def walk(jaxpr, consts, args: list[Atom], name_stack) -> list[Atom]:

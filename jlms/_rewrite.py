@@ -1,21 +1,27 @@
-"""Re-emitting a flat program with its offloads, in the current trace.
+"""The rewrite: a flat program plus its offloads, as a new closed jaxpr.
 
-`emit` interprets a `Program` equation by equation, binding each primitive on
-traced values, and inserts at the points an offload plan names:
-- a swap-out: `jax.device_put(x, Space.Host)` right after the value's last
-  near read, wrapped in an `optimization_barrier` (XLA deletes a bare
-  device-host-device round trip); with `SyncMode.SWAP_OUT` that barrier also
-  carries the next equation's inputs, so the next equation waits for the copy;
-- a swap-in: `jax.device_put(h, Space.Device)` before `issue_before`. Its host
-  operand passes through a barrier together with the outputs of the previous
-  equation and of the latest equation that read a swapped-in value, so the
-  copy cannot start earlier (XLA's scheduler would otherwise hoist it and the
-  value would be resident again); with `SyncMode.SWAP_IN` the equation it is
-  issued before waits for it.
+`rewrite` copies the program's equations in order (nested jits already
+inlined) and inserts, where the offloads say:
+- a swap-out: `device_put(x, Space.Host)` right after the value's last near
+  read, followed by an `optimization_barrier` on the host copy (XLA deletes a
+  bare device-host-device round trip). With `SyncMode.SWAP_OUT` the barrier
+  also carries the next equation's inputs, so that equation waits for the
+  copy and the device buffer is free before anything new is allocated;
+- a swap-in: `device_put(h, Space.Device)` right before `issue_before`. Its
+  host operand first goes through a barrier with the outputs of the previous
+  equation and of the latest equation that read a swapped-in value: the copy
+  cannot start earlier, and the reads of offloaded values form a chain XLA's
+  scheduler cannot pull apart (it otherwise hoists copies and sinks weight
+  gradient matmuls, keeping every prefetched value resident). With
+  `SyncMode.SWAP_IN` the equation it is issued before waits for it.
 
-Guarantees: the values computed are those of the program (a copy to host and
-back is exact, a barrier is an identity); every read after a swap-out uses a
-copy brought back by its `SwapIn`.
+Equations are built directly rather than re-traced: re-binding every
+primitive costs as much as tracing the step again, and tracing
+`jlms.offload(step)` must stay within twice the cost of tracing `step`.
+
+Guarantees: the jaxpr computes the program's values exactly (host copies are
+exact, barriers are identities); every read after a swap-out reads a copy
+brought back by its `SwapIn`; inputs and outputs match the program's.
 """
 
 from __future__ import annotations
@@ -30,25 +36,17 @@ from jlms._planner import Offload
 from jlms._program import Const, Program
 
 
-def _tieable(x) -> bool:
-  if not isinstance(x, jax.core.Tracer):
+def _tieable(atom) -> bool:
+  """Whether `atom` can ride along in an optimization barrier."""
+  if not isinstance(atom, _compat.Var) or isinstance(atom, _compat.DropVar):
     return False
-  dtype = getattr(x, "dtype", None)
+  dtype = getattr(atom.aval, "dtype", None)
   return dtype is not None and not _compat.is_extended_dtype(dtype)
 
 
-def _unique_tieable(values) -> list:
-  seen, out = set(), []
-  for x in values:
-    if _tieable(x) and id(x) not in seen:
-      seen.add(id(x))
-      out.append(x)
-  return out
-
-
-def emit(program: Program, offloads: tuple[Offload, ...],
-         config: OffloadConfig, args) -> list:
-  """Runs `program` on `args` (tracers of the current trace) with `offloads`."""
+def rewrite(program: Program, offloads: tuple[Offload, ...],
+            config: OffloadConfig, debug_info=None):
+  """The closed jaxpr of `program` with `offloads` applied."""
   swap_out_after = defaultdict(list)
   swap_in_before = defaultdict(list)
   swapped_out_at = {}
@@ -58,70 +56,124 @@ def emit(program: Program, offloads: tuple[Offload, ...],
     for swap_in in offload.swap_ins:
       swap_in_before[swap_in.issue_before].append(offload.value)
 
-  env: dict[int, object] = dict(zip(program.invars, args))
-  outer_stack = _compat.current_name_stack()
+  invars = [_compat.new_var(program.avals[i]) for i in program.invars]
+  env: dict[int, object] = dict(zip(program.invars, invars))
+  constvars, consts = [], []
+  const_vars: dict[int, object] = {}
+  eqns: list = []
 
   def read(atom):
-    return atom.value if isinstance(atom, Const) else env[atom]
+    if not isinstance(atom, Const):
+      return env[atom]
+    if atom.literal is not None:
+      return atom.literal
+    var = const_vars.get(id(atom))
+    if var is None:
+      var = const_vars[id(atom)] = _compat.new_var(
+          _compat.abstractify(atom.value))
+      constvars.append(var)
+      consts.append(atom.value)
+    return var
 
-  def tie(carried: list, atoms) -> list:
-    """Barrier `carried` together with the values of `atoms`: returns the
-    carried values, and makes later reads of `atoms` go through the barrier."""
+  def barrier(carried: list, dependencies: list, anchor, name) -> list:
+    """Barrier `carried` together with `dependencies`; returns the new
+    carried vars and the new dependency vars."""
+    ins = carried + dependencies
+    outs = [_compat.new_var(v.aval) for v in ins]
+    eqns.append(_compat.barrier_equation(ins, outs, anchor, name))
+    return outs[:len(carried)], outs[len(carried):]
+
+  def tie_to_inputs(carried: list, atoms, anchor, name) -> list:
+    """Barrier `carried` with the values of `atoms`; later reads of those
+    atoms go through the barrier, so they wait for `carried`."""
     ids = [a for a in dict.fromkeys(a for a in atoms if isinstance(a, int))
-           if _tieable(env[a])]
-    tied = jax.lax.optimization_barrier((carried, [env[a] for a in ids]))
-    for atom, value in zip(ids, tied[1]):
-      env[atom] = value
-    return list(tied[0])
+           if a in env and _tieable(env[a])]
+    carried_out, tied = barrier(carried, [env[a] for a in ids], anchor, name)
+    env.update(zip(ids, tied))
+    return carried_out
 
   host: dict[int, object] = {}
   pending_host: list[int] = []  # swapped out, barrier not yet emitted
   previous_outputs: list = []
-  last_offloaded_reader_outputs: list = []
+  # Outputs of every equation that read a swapped-in value since the last
+  # swap-in: the next swap-in waits for all of them, so no such reader (a
+  # weight-gradient matmul, typically) can be postponed to the end of the step
+  # while holding its swapped-in operand.
+  offloaded_reader_outputs: list = []
   sync_out = bool(config.sync_mode & SyncMode.SWAP_OUT)
   sync_in = bool(config.sync_mode & SyncMode.SWAP_IN)
   end = len(program)
+  anchor = program.equations[0].eqn if end else None
 
   for index in range(end + 1):
     equation = program.equations[index] if index < end else None
-    if pending_host:
-      next_inputs = ()
-      if sync_out and equation is not None:
-        next_inputs = [a for a in equation.inputs
-                       if isinstance(a, int) and a not in swapped_out_at]
-      with jax.named_scope("jlms_swap_out"):
-        tied = tie([host[v] for v in pending_host], next_inputs)
-      host.update(zip(pending_host, tied))
-      pending_host = []
-
+    if equation is not None:
+      anchor = equation.eqn
     incoming = swap_in_before.get(index, ())
+
+    def live(ids):
+      # Ids whose current var may be read again: not stale device copies of
+      # swapped-out values (reading one would keep it alive).
+      return [a for a in ids if isinstance(a, int)
+              and swapped_out_at.get(a, end) >= index]
+
+    if pending_host:
+      next_inputs = [] if equation is None else [
+          a for a in live(equation.inputs) if _tieable(env[a])]
+      waiting = not next_inputs and equation is not None and not (
+          set(incoming) & set(pending_host))
+      if not (sync_out and waiting):
+        # Without sync (or with nothing to wait) the barrier holds the host
+        # copy alone, which is what keeps XLA from deleting the round trip.
+        tied = tie_to_inputs([host[v] for v in pending_host],
+                             next_inputs if sync_out else (), anchor,
+                             "jlms_swap_out")
+        host.update(zip(pending_host, tied))
+        pending_host = []
+
     if incoming:
-      dependencies = _unique_tieable(
-          previous_outputs + last_offloaded_reader_outputs)
-      with jax.named_scope("jlms_swap_in"):
-        ready, _ = jax.lax.optimization_barrier(
-            ([host[v] for v in incoming], dependencies))
-        for value, on_host in zip(incoming, ready):
-          env[value] = jax.device_put(on_host, jax.memory.Space.Device)
-        if sync_in and equation is not None:
-          tied = tie([env[v] for v in incoming], equation.inputs)
-          env.update(zip(incoming, tied))
+      # The dependencies' later reads go through the barrier too: XLA prunes
+      # barrier operands whose results nobody reads, and the order with them.
+      ready = tie_to_inputs([host[v] for v in incoming],
+                            live(previous_outputs + offloaded_reader_outputs),
+                            anchor, "jlms_swap_in")
+      offloaded_reader_outputs = []
+      for value, on_host in zip(incoming, ready):
+        on_device = _compat.new_var(program.avals[value])
+        eqns.append(_compat.device_put_equation(
+            on_host, on_device, False, anchor, "jlms_swap_in"))
+        env[value] = on_device
+      if sync_in and equation is not None:
+        tied = tie_to_inputs([env[v] for v in incoming], equation.inputs,
+                             anchor, "jlms_swap_in")
+        env.update(zip(incoming, tied))
 
     if equation is None:
       break
-    outputs = _compat.bind_equation(
-        equation.eqn, [read(a) for a in equation.inputs],
-        outer_stack + equation.name_stack)
-    for out_id, out in zip(equation.outputs, outputs):
-      env[out_id] = out
-    previous_outputs = list(outputs)
+    outvars = []
+    for out_id, old in zip(equation.outputs, equation.eqn.outvars):
+      if isinstance(old, _compat.DropVar):
+        outvars.append(_compat.new_dropvar(old.aval))
+      else:
+        outvars.append(_compat.new_var(program.avals[out_id]))
+        env[out_id] = outvars[-1]
+    eqns.append(_compat.rebuilt_equation(
+        equation.eqn, [read(a) for a in equation.inputs], outvars,
+        equation.name_stack))
+    previous_outputs = list(equation.outputs)
     if any(isinstance(a, int) and swapped_out_at.get(a, end) < index
            for a in equation.inputs):
-      last_offloaded_reader_outputs = list(outputs)
+      offloaded_reader_outputs.extend(equation.outputs)
 
     for value in swap_out_after.get(index, ()):
-      with jax.named_scope("jlms_swap_out"):
-        host[value] = jax.device_put(env[value], jax.memory.Space.Host)
+      on_device = env[value]
+      on_host = _compat.new_var(_compat.memory_space_aval(
+          on_device.aval, jax.memory.Space.Host))
+      eqns.append(_compat.device_put_equation(
+          on_device, on_host, True, equation.eqn, "jlms_swap_out"))
+      host[value] = on_host
       pending_host.append(value)
 
-  return [read(a) for a in program.outvars]
+  outvars = [read(a) for a in program.outvars]
+  return _compat.closed_jaxpr(constvars, consts, invars, outvars, eqns,
+                              debug_info)

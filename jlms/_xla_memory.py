@@ -231,15 +231,21 @@ def _why_no_cuda_topology() -> str:
         shown = f"JAX_PLATFORMS={platforms!r}" if platforms else "JAX_PLATFORMS unset"
         return f"jax was imported with {shown}. {_SET_PLATFORMS_ADVICE}"
     return (
-        "the CUDA plugin is installed and JAX_PLATFORMS=cpu, yet jax registered "
-        f"no CUDA topology; was JAX_PLATFORMS set only after jax was imported? "
-        f"{_SET_PLATFORMS_ADVICE} If it was, reinstall the extra. "
-        f"{_INSTALL_AOT_ADVICE}"
+        "the CUDA plugin is installed and JAX_PLATFORMS=cpu now, yet jax "
+        "registered no CUDA topology. If JAX_PLATFORMS was set after jax was "
+        f"imported: {_SET_PLATFORMS_ADVICE} Otherwise the plugin may be broken; "
+        f"reinstall it. {_INSTALL_AOT_ADVICE}"
     )
 
 
 def _cuda_plugin_installed() -> bool:
-    return any(importlib.util.find_spec(name) for name in _CUDA_PLUGIN_MODULES)
+    for name in _CUDA_PLUGIN_MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except ImportError:  # no `jax_plugins` package at all
+            pass
+    return False
 
 
 def _names_missing_cuda_tool(message: str) -> bool:
@@ -259,7 +265,8 @@ def _place_on_target(tree: Any, devices: list) -> Any:
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
             return leaf
         sharding = getattr(leaf, "sharding", None)
-        if sharding is None or not sharding.device_set <= target_devices_set:
+        placed_devices = getattr(sharding, "device_set", None)
+        if placed_devices is None or not placed_devices <= target_devices_set:
             sharding = first_device
         return jax.ShapeDtypeStruct(
             leaf.shape,

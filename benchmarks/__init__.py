@@ -1,0 +1,1 @@
+"""Train-step cases and benchmarks that exercise jlms on realistic models."""
