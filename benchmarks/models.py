@@ -179,7 +179,9 @@ class _CausalSelfAttention(nn.Module):
     def __call__(self, x):
         batch, seq, width = x.shape
         head_dim = width // self.heads
-        qkv = nn.Dense(3 * width)(x).reshape(batch, seq, 3, self.heads, head_dim)
+        # No bias: a key bias has an exactly-zero gradient (softmax ignores
+        # it), which Adam would turn into an update made of rounding noise.
+        qkv = nn.Dense(3 * width, use_bias=False)(x).reshape(batch, seq, 3, self.heads, head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
         causal = jnp.tril(jnp.ones((seq, seq), jnp.bool_))
@@ -234,9 +236,11 @@ class _GPT(nn.Module):
 
 
 def gpt_case(
-    layers=4, width=256, heads=4, seq=128, batch=4, vocab=1024, scan_layers=False
+    layers=4, width=256, heads=4, seq=128, batch=4, vocab=1024, scan_layers=False,
+    optimizer=None,
 ) -> StepCase:
-    """A pre-LayerNorm GPT decoder with next-token cross-entropy, trained with AdamW.
+    """A pre-LayerNorm GPT decoder with next-token cross-entropy, trained with
+    `optimizer` (default AdamW, learning rate 1e-3).
 
     Step: `step(params, opt_state, tokens) -> ((params, opt_state), loss)`;
     tokens int32 [batch, seq + 1]. With `scan_layers` the blocks are one
@@ -245,7 +249,7 @@ def gpt_case(
     if width % heads:
         raise ValueError(f"width {width} is not divisible by heads {heads}")
     model = _GPT(layers, width, heads, seq, vocab, scan_layers)
-    optimizer = optax.adamw(1e-3)
+    optimizer = optax.adamw(1e-3) if optimizer is None else optimizer
 
     def loss_fn(params, tokens):
         logits = model.apply({"params": params}, tokens[:, :-1])

@@ -11,5 +11,12 @@ from jlms._offload import OffloadedStep as OffloadedStep
 from jlms._offload import offload as offload
 from jlms._plan import OffloadedValue as OffloadedValue
 from jlms._plan import Plan as Plan
+from jlms._verify import MemoryComparison as MemoryComparison
+from jlms._verify import OffloadIneffectiveWarning as OffloadIneffectiveWarning
+from jlms._verify import compare_memory as compare_memory
+from jlms._xla_memory import DevicelessUnavailableError as DevicelessUnavailableError
+from jlms._xla_memory import XlaMemory as XlaMemory
+from jlms._xla_memory import target_devices as target_devices
+from jlms._xla_memory import xla_memory as xla_memory
 
 __version__ = "0.1.0"

@@ -181,3 +181,12 @@ def abstractify(leaf):
 def is_extended_dtype(dtype) -> bool:
   """PRNG key arrays and other dtypes that have no plain memory layout."""
   return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def check_jaxpr(closed) -> None:
+  """Raises if `closed` is not a well-typed jaxpr (used by the tests)."""
+  _jex_core.check_jaxpr(jaxpr_parts(closed)[0])
+
+
+def is_device_put(eqn) -> bool:
+  return eqn.primitive is device_put_p

@@ -57,12 +57,10 @@ class OffloadConfig:
         not isinstance(self.swapin_groupby, int) or self.swapin_groupby < 0):
       raise ValueError("jlms: swapin_groupby must be None or a non-negative "
                        f"int, got {self.swapin_groupby!r}")
-    try:
-      mode = SyncMode(self.sync_mode)
-    except ValueError:
+    if self.sync_mode not in (0, 1, 2, 3) or isinstance(self.sync_mode, bool):
       raise ValueError(f"jlms: sync_mode must be 0, 1, 2 or 3, got "
-                       f"{self.sync_mode!r}") from None
-    object.__setattr__(self, "sync_mode", mode)
+                       f"{self.sync_mode!r}")
+    object.__setattr__(self, "sync_mode", SyncMode(self.sync_mode))
 
   @property
   def groupby(self) -> int:

@@ -57,7 +57,7 @@ class OffloadedStep:
 
   def __init__(self, fun: Callable, config: OffloadConfig, *,
                static_argnums=(), static_argnames=(), donate_argnums=(),
-               donate_argnames=()):
+               donate_argnames=(), verify=None):
     if not callable(fun):
       raise TypeError(f"jlms.offload expects a callable, got {type(fun)}")
     functools.update_wrapper(self, fun)
@@ -66,11 +66,14 @@ class OffloadedStep:
     self._static_argnums = _as_tuple(static_argnums)
     self._static_argnames = _as_tuple(static_argnames)
     self._analyses: collections.OrderedDict = collections.OrderedDict()
-    self._jitted = jax.jit(
-        self._rewritten, static_argnums=self._static_argnums,
+    self.jit_options = dict(
+        static_argnums=self._static_argnums,
         static_argnames=self._static_argnames,
         donate_argnums=_as_tuple(donate_argnums),
         donate_argnames=_as_tuple(donate_argnames))
+    self._jitted = jax.jit(self._rewritten, **self.jit_options)
+    self._verify = verify
+    self._verified: set = set()
 
   def __repr__(self) -> str:
     name = getattr(self._fun, "__qualname__", repr(self._fun))
@@ -78,7 +81,26 @@ class OffloadedStep:
 
   # -- the jax.jit surface -------------------------------------------------
   def __call__(self, *args, **kwargs):
+    if self._should_verify(args, kwargs):
+      self.memory(*args, target="local", **kwargs)
     return self._jitted(*args, **kwargs)
+
+  def _should_verify(self, args, kwargs) -> bool:
+    """On a GPU, the first concrete call of each signature checks with XLA
+    that the offload is effective (it costs one extra compile of each)."""
+    verify = self._verify
+    if verify is None:
+      verify = jax.default_backend() == "gpu"
+    if not verify:
+      return False
+    leaves = jax.tree.leaves((args, kwargs))
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+      return False
+    key = self._signature(args, kwargs)
+    if key in self._verified:
+      return False
+    self._verified.add(key)
+    return True
 
   def lower(self, *args, **kwargs) -> jax.stages.Lowered:
     """The `jax.stages.Lowered` of the rewritten program."""
@@ -95,6 +117,13 @@ class OffloadedStep:
     """The offload plan for these arguments (arrays or ShapeDtypeStructs)."""
     return self._analysis(args, kwargs).plan
 
+  def memory(self, *args, target: str = "h100", **kwargs):
+    """XLA's memory for `target` ("h100", "h200", "a100" deviceless, or
+    "local") with and without jlms, as a `jlms.MemoryComparison`; warns with
+    `jlms.OffloadIneffectiveWarning` when the offload does nothing."""
+    from jlms._verify import compare_memory
+    return compare_memory(self, *args, target=target, **kwargs)
+
   # -- internals -----------------------------------------------------------
   def _static_positions(self, nargs: int) -> set[int]:
     return {i % nargs for i in self._static_argnums if -nargs <= i < nargs}
@@ -110,11 +139,16 @@ class OffloadedStep:
     leaves, treedef = jax.tree.flatten((dyn_args, dyn_kwargs))
     return leaves, treedef, static_args, static_kwargs
 
+  def _signature(self, args, kwargs) -> tuple:
+    leaves, treedef, static_args, static_kwargs = self._split_static(
+        args, kwargs)
+    return (treedef, static_args, static_kwargs,
+            tuple(_compat.abstractify(x) for x in leaves))
+
   def _analysis(self, args, kwargs) -> _Analysis:
     leaves, treedef, static_args, static_kwargs = self._split_static(
         args, kwargs)
-    key = (treedef, static_args, static_kwargs,
-           tuple(_compat.abstractify(x) for x in leaves))
+    key = self._signature(args, kwargs)
     cached = self._analyses.get(key)
     if cached is not None:
       self._analyses.move_to_end(key)
@@ -169,7 +203,8 @@ def offload(fun: Callable | None = None, *,
             static_argnums: int | Sequence[int] = (),
             static_argnames: str | Sequence[str] = (),
             donate_argnums: int | Sequence[int] = (),
-            donate_argnames: str | Sequence[str] = ()):
+            donate_argnames: str | Sequence[str] = (),
+            verify: bool | None = None):
   """Wraps a train step so that its large, long-lived values live on host.
 
   Use like `jax.jit`: `step = jlms.offload(train_step)` or as a decorator,
@@ -193,6 +228,11 @@ def offload(fun: Callable | None = None, *,
       swap-out, 2 it waits for each swap-in, 3 both (see `jlms.SyncMode`).
     static_argnums, static_argnames, donate_argnums, donate_argnames: as in
       `jax.jit`.
+    verify: check with XLA, on the first call of each signature, that the
+      compiled program keeps the offloaded values on host and lowers the
+      device peak, warning with `jlms.OffloadIneffectiveWarning` otherwise.
+      None (default): only when running on a GPU (it costs one extra compile
+      of the step with and without jlms).
 
   Returns:
     An `OffloadedStep`: call it like the step; `.lower(...)`, `.trace(...)`
@@ -205,7 +245,7 @@ def offload(fun: Callable | None = None, *,
   jit_options = dict(static_argnums=static_argnums,
                      static_argnames=static_argnames,
                      donate_argnums=donate_argnums,
-                     donate_argnames=donate_argnames)
+                     donate_argnames=donate_argnames, verify=verify)
   if fun is None:
     return lambda f: OffloadedStep(f, config, **jit_options)
   return OffloadedStep(fun, config, **jit_options)

@@ -1,0 +1,88 @@
+"""Did the offload do anything? XLA's answer, compared with `jax.jit`'s.
+
+`compare_memory(step, *args, target=...)` compiles the step twice with XLA
+(as `jax.jit` would, and rewritten by jlms) and returns both accountings.
+It never trusts the plan: XLA deletes a bare host round trip and reorders
+work, so a plan can offload values while the program puts nothing on host,
+or keeps as much on the device as before. When that happens the comparison
+lists the problem and an `OffloadIneffectiveWarning` tells the user.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+
+from jlms._plan import Plan, format_bytes
+from jlms._xla_memory import XlaMemory, xla_memory
+
+
+class OffloadIneffectiveWarning(UserWarning):
+  """The compiled program does not keep what the plan offloaded on host, or
+  its device peak is not lower than `jax.jit`'s."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryComparison:
+  """XLA's memory of a step compiled by `jax.jit` and by `jlms.offload`."""
+  target: str
+  plan: Plan
+  baseline: XlaMemory
+  offloaded: XlaMemory
+
+  @property
+  def peak_ratio(self) -> float:
+    """Offloaded device peak over `jax.jit`'s (lower is better)."""
+    return self.offloaded.peak_bytes / max(self.baseline.peak_bytes, 1)
+
+  @property
+  def problems(self) -> tuple[str, ...]:
+    found = []
+    if self.plan.offloaded and self.offloaded.host_offloaded_buffers == 0:
+      found.append(
+          f"the plan offloads {len(self.plan.offloaded)} values "
+          f"({format_bytes(self.plan.offloaded_bytes)}) but XLA's program "
+          "keeps nothing in host memory")
+    if self.plan.offloaded and (
+        self.offloaded.peak_bytes >= self.baseline.peak_bytes):
+      found.append(
+          f"the device peak did not go down: "
+          f"{format_bytes(self.offloaded.peak_bytes)} with jlms against "
+          f"{format_bytes(self.baseline.peak_bytes)} with jax.jit")
+    return tuple(found)
+
+  def __str__(self) -> str:
+    rows = [("", "jax.jit", "jlms.offload")]
+    for label, attr in (("device peak", "peak_bytes"),
+                        ("device temp", "temp_bytes"),
+                        ("arguments", "argument_bytes"),
+                        ("outputs", "output_bytes"),
+                        ("host", "host_bytes")):
+      rows.append((label, format_bytes(getattr(self.baseline, attr)),
+                   format_bytes(getattr(self.offloaded, attr))))
+    lines = [f"XLA memory on {self.target}:"]
+    lines += [f"  {a:<12} {b:>12} {c:>14}" for a, b, c in rows]
+    lines.append(f"  peak ratio {self.peak_ratio:.3f}")
+    lines += [f"  problem: {p}" for p in self.problems]
+    return "\n".join(lines)
+
+
+def compare_memory(step, *args, target: str = "h100",
+                   **kwargs) -> MemoryComparison:
+  """Compiles `step` (an `OffloadedStep`) with and without jlms for `target`
+  and warns when the offload is ineffective."""
+  baseline_fn = jax.jit(step.__wrapped__, **step.jit_options)
+  comparison = MemoryComparison(
+      target=target,
+      plan=step.plan(*args, **kwargs),
+      baseline=xla_memory(baseline_fn, *args, target=target, **kwargs),
+      offloaded=xla_memory(step, *args, target=target, **kwargs),
+  )
+  for problem in comparison.problems:
+    warnings.warn(f"jlms.offload: {problem}. Lower min_bytes or "
+                  "swapout_threshold, or see the XLA dump "
+                  "(XLA_FLAGS=--xla_dump_to=DIR) for what is alive at the "
+                  "peak.", OffloadIneffectiveWarning, stacklevel=3)
+  return comparison

@@ -1,0 +1,69 @@
+"""Choosing what to offload (pure functions of reads and knobs)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jlms._config import OffloadConfig, SyncMode
+from jlms._liveness import analyse
+from jlms._planner import SwapIn, _plan_value, plan_offloads
+from jlms._program import flatten
+
+
+def test_value_is_swapped_out_after_its_last_near_read():
+  config = OffloadConfig(swapout_threshold=10, prefetch_ahead=2,
+                         swapin_groupby=3)
+  offload = _plan_value(7, producer=5, reads=(6, 12, 40, 42, 50), config=config)
+  assert offload.swap_out_after == 12
+  # 40 and 42 share a copy (2 <= groupby); 50 is 8 after 42: a new copy.
+  assert offload.swap_ins == (SwapIn(38, (40, 42)), SwapIn(48, (50,)))
+
+
+def test_no_far_read_no_offload():
+  config = OffloadConfig(swapout_threshold=10)
+  assert _plan_value(0, producer=0, reads=(3, 13, 23), config=config) is None
+
+
+def test_prefetch_never_precedes_the_swap_out():
+  config = OffloadConfig(swapout_threshold=3, prefetch_ahead=50)
+  offload = _plan_value(0, producer=10, reads=(20,), config=config)
+  assert offload.swap_out_after == 10
+  assert offload.swap_ins[0].issue_before == 11
+
+
+def test_groupby_defaults_to_the_threshold():
+  config = OffloadConfig(swapout_threshold=10, prefetch_ahead=0)
+  offload = _plan_value(0, producer=0, reads=(20, 30, 41), config=config)
+  assert [s.reads for s in offload.swap_ins] == [(20, 30), (41,)]
+
+
+def test_only_large_made_values_with_a_layout_are_offloaded():
+  def f(x, key, n):
+    big = jnp.tanh(x)                    # 4 KiB float
+    small = jnp.sum(x, axis=0)           # 32 B float
+    mask = big > 0                       # 1 KiB bool: offloadable too
+    keys = jax.random.split(key, 4)      # PRNG keys: never offloaded
+    for _ in range(12):
+      x = jnp.sin(x)
+    return (x + big, small * 2.0, mask, keys, n)
+
+  closed = jax.make_jaxpr(f)(jnp.ones((32, 32)), jax.random.key(0), 3)
+  program = flatten(closed)
+  config = OffloadConfig(min_bytes=1024, swapout_threshold=4)
+  offloads = plan_offloads(program, analyse(program), config)
+  offloaded_avals = [program.avals[o.value] for o in offloads]
+  assert {str(a.dtype) for a in offloaded_avals} == {"float32", "bool"}
+  assert all(o.value not in program.invars for o in offloads)
+  assert all(a.size * a.dtype.itemsize >= 1024 for a in offloaded_avals)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(min_bytes=-1), dict(swapout_threshold=1.5), dict(prefetch_ahead=-2),
+    dict(swapin_groupby=-1), dict(sync_mode=4)])
+def test_bad_knobs_are_refused(bad):
+  with pytest.raises(ValueError, match="jlms"):
+    OffloadConfig(**bad)
+
+
+def test_sync_mode_accepts_ints():
+  assert OffloadConfig(sync_mode=3).sync_mode is SyncMode.BOTH
