@@ -42,6 +42,13 @@ INLINABLE_CALL_PRIMITIVES = frozenset(
 
 device_put_p = _prims.device_put_p
 
+#: Primitives that only re-lay out or re-type their operand. XLA folds them
+#: into their producer or consumer; a barrier between them and their producer
+#: would force the value to be materialised a second time.
+LAYOUT_PRIMITIVES = frozenset((
+    _prims.transpose_p, _prims.reshape_p, _prims.broadcast_in_dim_p,
+    _prims.squeeze_p, _prims.convert_element_type_p))
+
 
 def is_jit_primitive(primitive) -> bool:
   return primitive in _JIT_PRIMITIVES
@@ -150,9 +157,12 @@ def call_template(closed) -> tuple[dict, Any] | None:
 
 
 def bind_jit(params: dict, closed, args) -> list:
-  """Stages (or runs) `closed` as one nested-jit equation on `args`: one bind,
-  however many equations `closed` has."""
-  return _JIT_PRIMITIVES[0].bind(*args, **{**params, "jaxpr": closed})
+  """Stages `closed` into the current trace on `args` with one bind, however
+  many equations it has. `inline=True` makes jit's staging rule copy the
+  equations into the caller rather than nest a call, which XLA's CPU
+  pipeline does not always see through."""
+  return _JIT_PRIMITIVES[0].bind(
+      *args, **{**params, "jaxpr": closed, "inline": True})
 
 
 def extend_name_stack(stack, name: str):

@@ -1,0 +1,80 @@
+"""The memory claims, measured by XLA compiling for an H100 without a GPU.
+
+Every number here is XLA's own `memory_analysis()` of the compiled program,
+never jlms's simulator.
+"""
+
+import time
+
+import jax
+import pytest
+
+import jlms
+from benchmarks import models
+
+
+def _memory(step, case):
+  return jlms.xla_memory(step, *case.abstract_args(), target="h100")
+
+
+@pytest.fixture(scope="module")
+def mlp_temps():
+  """Device temp bytes of the tanh MLP gradient step (batch 4096, width
+  2048, f32) with jax.jit and with default jlms.offload, by depth."""
+  temps = {}
+  for depth in (16, 32, 64):
+    case = models.mlp_case(depth=depth, width=2048, batch=4096)
+    temps[depth] = (_memory(case.step, case).temp_bytes,
+                    _memory(jlms.offload(case.step), case))
+  return temps
+
+
+@pytest.mark.slow
+def test_mlp_temp_is_at_most_a_quarter_of_jit(mlp_temps):
+  jit_temp, offloaded = mlp_temps[32]
+  assert offloaded.host_offloaded_buffers > 0
+  assert offloaded.temp_bytes <= jit_temp / 4
+
+
+@pytest.mark.slow
+def test_mlp_temp_is_flat_in_depth(mlp_temps):
+  shallow = mlp_temps[16][1].temp_bytes
+  deep = mlp_temps[64][1].temp_bytes
+  assert abs(deep - shallow) <= 0.15 * shallow
+  # jax.jit's grows with depth: the claim is not vacuous.
+  assert mlp_temps[64][0] >= 3 * mlp_temps[16][0]
+
+
+@pytest.mark.slow
+def test_resnet_peak_is_at_most_a_third_of_jit():
+  case = models.resnet_case(blocks=16, channels=64, image_size=256, batch=8)
+  step = jlms.offload(case.step)
+  comparison = step.memory(*case.abstract_args(), target="h100")
+  assert not comparison.problems
+  assert comparison.offloaded.peak_bytes <= comparison.baseline.peak_bytes / 3
+
+
+def _seconds(fn) -> float:
+  start = time.process_time()
+  fn()
+  return time.process_time() - start
+
+
+@pytest.mark.slow
+def test_tracing_costs_at_most_twice_make_jaxpr():
+  # Fresh cases each time: jax caches traces by function identity.
+  def plain():
+    case = models.many_equations_case()
+    return _seconds(lambda: jax.make_jaxpr(case.step)(*case.abstract_args()))
+
+  def offloaded():
+    case = models.many_equations_case()
+    step = jax.jit(jlms.offload(case.step))
+    return _seconds(lambda: step.trace(*case.abstract_args()))
+
+  case = models.many_equations_case()
+  assert models.count_equations(case) >= 15_000
+  offloaded()  # warm jax's own caches of library functions for both
+  plain_cost = min(plain() for _ in range(2))
+  offloaded_cost = min(offloaded() for _ in range(2))
+  assert offloaded_cost <= 2 * plain_cost, (offloaded_cost, plain_cost)
