@@ -7,9 +7,7 @@ Guarantees, for every `Offload` returned:
 - `swap_out_after` is the read right before the first gap longer than
   `swapout_threshold` (or the producer, if that gap starts there);
 - every later read belongs to exactly one `SwapIn`, whose `issue_before` lies
-  strictly after `swap_out_after` and at or before its first read, and is
-  not an equation that only re-lays out the previous one's output (the
-  swap-in's barrier would sit between them and keep XLA from fusing them).
+  strictly after `swap_out_after` and at or before its first read.
 """
 
 from __future__ import annotations
@@ -54,20 +52,8 @@ def plan_offloads(program: Program, liveness: Liveness,
     offload = _plan_value(value, liveness.producer[value],
                           liveness.uses[value], config)
     if offload is not None:
-      offloads.append(_past_layout_equations(program, offload))
+      offloads.append(offload)
   return tuple(offloads)
-
-
-def _past_layout_equations(program: Program, offload: Offload) -> Offload:
-  swap_ins = []
-  for swap_in in offload.swap_ins:
-    issue_before = swap_in.issue_before
-    while (issue_before < swap_in.reads[0] and issue_before < len(program) and
-           program.equations[issue_before].primitive
-           in _compat.LAYOUT_PRIMITIVES):
-      issue_before += 1
-    swap_ins.append(dataclasses.replace(swap_in, issue_before=issue_before))
-  return dataclasses.replace(offload, swap_ins=tuple(swap_ins))
 
 
 def _plan_value(value: int, producer: int, reads: tuple[int, ...],

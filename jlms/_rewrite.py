@@ -139,8 +139,8 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
     if incoming:
       # The dependencies' later reads go through the barrier too: XLA prunes
       # barrier operands whose results nobody reads, and the order with them.
-      ready = tie_to_inputs([host[v] for v in incoming],
-                            live(previous_outputs + offloaded_reader_outputs),
+      dependencies = live(previous_outputs + offloaded_reader_outputs)
+      ready = tie_to_inputs([host[v] for v in incoming], dependencies,
                             anchor, "jlms_swap_in")
       offloaded_reader_outputs = []
       for value, on_host in zip(incoming, ready):
