@@ -47,7 +47,10 @@ def _row(case, target: str) -> dict:
   }
 
 
-def _trace_cost() -> dict:
+def trace_cost(repeats: int = 3) -> dict:
+  """CPU seconds of `jax.make_jaxpr(step)` and of
+  `jax.jit(jlms.offload(step)).trace` on the 15,000+-equation case, best of
+  `repeats`, each on a fresh case (jax caches traces by function)."""
   def seconds(fn):
     start = time.process_time()
     fn()
@@ -63,8 +66,8 @@ def _trace_cost() -> dict:
     return seconds(lambda: step.trace(*case.abstract_args()))
 
   offloaded()  # warm jax's caches of library code for both
-  plain_s = min(plain() for _ in range(3))
-  offloaded_s = min(offloaded() for _ in range(3))
+  plain_s = min(plain() for _ in range(repeats))
+  offloaded_s = min(offloaded() for _ in range(repeats))
   return {"equations": models.count_equations(models.many_equations_case()),
           "make_jaxpr_seconds": plain_s, "offload_trace_seconds": offloaded_s,
           "ratio": offloaded_s / plain_s}
@@ -88,7 +91,7 @@ def main(argv=None) -> dict:
           f"{r['jit_temp_mib']:>10.1f} {r['jlms_temp_mib']:>10.1f} "
           f"{r['jit_peak_mib']:>10.1f} {r['jlms_peak_mib']:>10.1f} "
           f"{r['host_mib']:>10.1f} {r['peak_ratio']:>10.3f}")
-  trace = _trace_cost()
+  trace = trace_cost()
   print(f"\ntracing a {trace['equations']}-equation step: make_jaxpr "
         f"{trace['make_jaxpr_seconds']:.2f} s, jax.jit(jlms.offload).trace "
         f"{trace['offload_trace_seconds']:.2f} s (x{trace['ratio']:.2f})")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import inspect
 from typing import Any, Callable, Sequence
 
 import jax

@@ -81,8 +81,9 @@ def compare_memory(step, *args, target: str = "h100",
       offloaded=xla_memory(step, *args, target=target, **kwargs),
   )
   for problem in comparison.problems:
-    warnings.warn(f"jlms.offload: {problem}. Lower min_bytes or "
-                  "swapout_threshold, or see the XLA dump "
-                  "(XLA_FLAGS=--xla_dump_to=DIR) for what is alive at the "
-                  "peak.", OffloadIneffectiveWarning, stacklevel=3)
+    warnings.warn(f"jlms.offload: {problem}. Try other min_bytes / "
+                  "swapout_threshold / sync_mode, or read the XLA dump "
+                  "(XLA_FLAGS=--xla_dump_to=DIR, *-live-range.txt) for what "
+                  "is alive at the peak.", OffloadIneffectiveWarning,
+                  stacklevel=3)
   return comparison

@@ -4,13 +4,11 @@ Every number here is XLA's own `memory_analysis()` of the compiled program,
 never jlms's simulator.
 """
 
-import time
-
-import jax
 import pytest
 
 import jlms
 from benchmarks import models
+from benchmarks.memory_table import trace_cost
 
 
 def _memory(step, case):
@@ -54,27 +52,8 @@ def test_resnet_peak_is_at_most_a_third_of_jit():
   assert comparison.offloaded.peak_bytes <= comparison.baseline.peak_bytes / 3
 
 
-def _seconds(fn) -> float:
-  start = time.process_time()
-  fn()
-  return time.process_time() - start
-
-
 @pytest.mark.slow
 def test_tracing_costs_at_most_twice_make_jaxpr():
-  # Fresh cases each time: jax caches traces by function identity.
-  def plain():
-    case = models.many_equations_case()
-    return _seconds(lambda: jax.make_jaxpr(case.step)(*case.abstract_args()))
-
-  def offloaded():
-    case = models.many_equations_case()
-    step = jax.jit(jlms.offload(case.step))
-    return _seconds(lambda: step.trace(*case.abstract_args()))
-
-  case = models.many_equations_case()
-  assert models.count_equations(case) >= 15_000
-  offloaded()  # warm jax's own caches of library functions for both
-  plain_cost = min(plain() for _ in range(2))
-  offloaded_cost = min(offloaded() for _ in range(2))
-  assert offloaded_cost <= 2 * plain_cost, (offloaded_cost, plain_cost)
+  cost = trace_cost(repeats=2)
+  assert cost["equations"] >= 15_000
+  assert cost["ratio"] <= 2.0, cost

@@ -1,0 +1,73 @@
+"""Telling the user when the offload does nothing."""
+
+import dataclasses
+import warnings
+
+import jax.numpy as jnp
+import pytest
+
+import jlms
+from jlms._verify import MemoryComparison
+
+
+def _chain(x):
+  y = jnp.sin(x)
+  for _ in range(12):
+    x = jnp.cos(x) * 1.5
+  return x + y
+
+
+X = jnp.ones((256, 256))  # 256 KiB values
+EAGER = dict(min_bytes=1, swapout_threshold=4)
+
+
+def _memory(**fields):
+  base = dict(target="h100", argument_bytes=0, output_bytes=0, alias_bytes=0,
+              temp_bytes=0, host_argument_bytes=0, host_output_bytes=0,
+              host_temp_bytes=0, generated_code_bytes=0,
+              host_offloaded_buffers=0)
+  return jlms.XlaMemory(**{**base, **fields})
+
+
+def test_problems_name_what_went_wrong():
+  plan = jlms.offload(_chain, **EAGER).plan(X)
+  assert plan.offloaded
+  comparison = MemoryComparison(
+      "h100", plan, baseline=_memory(temp_bytes=100),
+      offloaded=_memory(temp_bytes=120))
+  problems = comparison.problems
+  assert any("keeps nothing in host memory" in p for p in problems)
+  assert any("did not go down" in p for p in problems)
+  good = dataclasses.replace(comparison, offloaded=_memory(
+      temp_bytes=50, host_temp_bytes=10, host_offloaded_buffers=1))
+  assert good.problems == () and good.peak_ratio == 0.5
+  assert "peak ratio 0.500" in str(good)
+
+
+def test_memory_compares_with_jit_on_the_h100_and_warns_when_worse():
+  # A plan that looks fine on the jaxpr: on values this small, the copies
+  # back cost more device memory than the swap-outs free, and XLA says so.
+  with pytest.warns(jlms.OffloadIneffectiveWarning, match="did not go down"):
+    comparison = jlms.offload(_chain, **EAGER).memory(X, target="h100")
+  assert comparison.baseline.host_bytes == 0
+  assert comparison.offloaded.host_offloaded_buffers > 0
+  assert comparison.offloaded.peak_bytes >= comparison.baseline.peak_bytes
+
+
+def test_first_call_checks_when_asked_and_warns_once_per_signature():
+  # The CPU backend keeps host copies in the same memory: XLA's program for
+  # it has no host buffers, which is exactly what the check must report.
+  step = jlms.offload(_chain, verify=True, **EAGER)
+  with pytest.warns(jlms.OffloadIneffectiveWarning) as caught:
+    step(X)
+  assert any("nothing in host" in str(w.message) for w in caught)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    step(X)  # same signature: checked already
+
+
+def test_no_check_by_default_off_gpu():
+  step = jlms.offload(_chain, **EAGER)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    step(X)
