@@ -7,7 +7,10 @@ Guarantees, for every `Offload` returned:
 - `swap_out_after` is the read right before the first gap longer than
   `swapout_threshold` (or the producer, if that gap starts there);
 - every later read belongs to exactly one `SwapIn`, whose `issue_before` lies
-  strictly after `swap_out_after` and at or before its first read.
+  strictly after `swap_out_after` and at or before its first read; it is
+  never placed between an equation and the re-layout (transpose, reshape,
+  ...) of its output that follows, which XLA folds into the equation only if
+  nothing else, such as the swap-in's barrier, reads the equation's output.
 """
 
 from __future__ import annotations
@@ -52,8 +55,24 @@ def plan_offloads(program: Program, liveness: Liveness,
     offload = _plan_value(value, liveness.producer[value],
                           liveness.uses[value], config)
     if offload is not None:
-      offloads.append(offload)
+      offloads.append(_before_relayouts(program, offload))
   return tuple(offloads)
+
+
+def _before_relayouts(program: Program, offload: Offload) -> Offload:
+  """Issue a swap-in one equation earlier when the equation it would follow
+  has its output re-laid-out next: the swap-in's barrier would read that
+  output and stop XLA folding the re-layout into it."""
+  swap_ins = []
+  for swap_in in offload.swap_ins:
+    at = swap_in.issue_before
+    if (offload.swap_out_after + 1 < at < len(program)
+        and program.equations[at].primitive in _compat.LAYOUT_PRIMITIVES
+        and set(program.equations[at].inputs)
+        & set(program.equations[at - 1].outputs)):
+      swap_in = dataclasses.replace(swap_in, issue_before=at - 1)
+    swap_ins.append(swap_in)
+  return dataclasses.replace(offload, swap_ins=tuple(swap_ins))
 
 
 def _plan_value(value: int, producer: int, reads: tuple[int, ...],

@@ -57,6 +57,25 @@ def test_only_large_made_values_with_a_layout_are_offloaded():
   assert all(a.size * a.dtype.itemsize >= 1024 for a in offloaded_avals)
 
 
+def test_swap_in_is_not_put_between_a_dot_and_its_transpose():
+  def f(x, w):
+    a = jnp.tanh(x)                      # 0: offloaded across the gap
+    for _ in range(10):
+      x = jnp.sin(x)                     # 1..10
+    g = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())))   # 11
+    return jnp.transpose(g) + 1.0, a * 2.0                    # 12, 13, 14
+
+  program = flatten(jax.make_jaxpr(f)(jnp.ones((64, 64)), jnp.ones((64, 64))))
+  names = [e.primitive.name for e in program.equations]
+  assert names[11:13] == ["dot_general", "transpose"]
+  config = OffloadConfig(min_bytes=1, swapout_threshold=5, prefetch_ahead=2)
+  offloads = plan_offloads(program, analyse(program), config)
+  (offload,) = [o for o in offloads
+                if program.equations[0].outputs[0] == o.value]
+  # 14 - 2 would put it right after the dot, before the transpose: one earlier.
+  assert offload.swap_ins[0].issue_before == 11
+
+
 @pytest.mark.parametrize("bad", [
     dict(min_bytes=-1), dict(swapout_threshold=1.5), dict(prefetch_ahead=-2),
     dict(swapin_groupby=-1), dict(sync_mode=4)])
