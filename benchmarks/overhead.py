@@ -40,7 +40,7 @@ CASES = {
 
 def _barriers_only(step: jlms.OffloadedStep, args):
   """The step's rewritten schedule with the copies left out."""
-  analysis = step._analysis(args, {})
+  analysis = step._analysis(args, {})[0]
   closed = rewrite(analysis.program, analysis.offloads, step.config,
                    analysis.rewritten.jaxpr.debug_info, transfers=False)
 

@@ -114,7 +114,7 @@ class OffloadedStep:
   # -- what it does ----------------------------------------------------------
   def plan(self, *args, **kwargs) -> Plan:
     """The offload plan for these arguments (arrays or ShapeDtypeStructs)."""
-    return self._analysis(args, kwargs).plan
+    return self._analysis(args, kwargs)[0].plan
 
   def memory(self, *args, target: str = "h100", **kwargs):
     """XLA's memory for `target` ("h100", "h200", "a100" deviceless, or
@@ -138,20 +138,23 @@ class OffloadedStep:
     leaves, treedef = jax.tree.flatten((dyn_args, dyn_kwargs))
     return leaves, treedef, static_args, static_kwargs
 
-  def _signature(self, args, kwargs) -> tuple:
-    leaves, treedef, static_args, static_kwargs = self._split_static(
-        args, kwargs)
+  @staticmethod
+  def _key(leaves, treedef, static_args, static_kwargs) -> tuple:
     return (treedef, static_args, static_kwargs,
             tuple(_compat.abstractify(x) for x in leaves))
 
-  def _analysis(self, args, kwargs) -> _Analysis:
-    leaves, treedef, static_args, static_kwargs = self._split_static(
-        args, kwargs)
-    key = self._signature(args, kwargs)
+  def _signature(self, args, kwargs) -> tuple:
+    return self._key(*self._split_static(args, kwargs))
+
+  def _analysis(self, args, kwargs) -> tuple[_Analysis, list]:
+    """The cached analysis for these arguments, with their dynamic leaves."""
+    split = self._split_static(args, kwargs)
+    leaves, treedef, static_args, static_kwargs = split
+    key = self._key(*split)
     cached = self._analyses.get(key)
     if cached is not None:
       self._analyses.move_to_end(key)
-      return cached
+      return cached, leaves
     out_trees = []
 
     def flat_fun(*flat):
@@ -184,11 +187,10 @@ class OffloadedStep:
     self._analyses[key] = analysis
     if len(self._analyses) > _CACHE_SIZE:
       self._analyses.popitem(last=False)
-    return analysis
+    return analysis, leaves
 
   def _rewritten(self, *args, **kwargs):
-    analysis = self._analysis(args, kwargs)
-    leaves = self._split_static(args, kwargs)[0]
+    analysis, leaves = self._analysis(args, kwargs)
     outs = _compat.bind_jit(analysis.jit_params, analysis.rewritten, leaves)
     return jax.tree.unflatten(analysis.out_tree, outs)
 
