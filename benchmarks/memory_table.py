@@ -16,6 +16,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import gc
 import json
 import time
 
@@ -50,11 +51,19 @@ def _row(case, target: str) -> dict:
 def trace_cost(repeats: int = 3) -> dict:
   """CPU seconds of `jax.make_jaxpr(step)` and of
   `jax.jit(jlms.offload(step)).trace` on the 15,000+-equation case, best of
-  `repeats`, each on a fresh case (jax caches traces by function)."""
+  `repeats`, each on a fresh case (jax caches traces by function), with the
+  garbage collector paused as timeit does."""
   def seconds(fn):
-    start = time.process_time()
-    fn()
-    return time.process_time() - start
+    # As timeit does: collect first and keep the collector out of the timing,
+    # whose pauses grow with whatever else the process holds (a test run).
+    gc.collect()
+    gc.disable()
+    try:
+      start = time.process_time()
+      fn()
+      return time.process_time() - start
+    finally:
+      gc.enable()
 
   def plain():
     case = models.many_equations_case()
