@@ -29,6 +29,7 @@ from jlms._plan import Plan, build_plan
 from jlms._planner import Offload, plan_offloads
 from jlms._program import Program, flatten
 from jlms._rewrite import rewrite
+from jlms._simulator import analyse_fusion
 
 _CACHE_SIZE = 32
 
@@ -179,11 +180,16 @@ class OffloadedStep:
     jit_params, debug_info = _compat.call_template(closed)
     program = flatten(closed)
     liveness = analyse(program)
-    offloads = plan_offloads(program, liveness, self.config)
+    unforced = analyse_fusion(program, liveness)
+    offloads = plan_offloads(program, liveness, self.config,
+                             unforced.materialized)
+    fusion = analyse_fusion(program, liveness,
+                            frozenset(o.value for o in offloads))
     analysis = _Analysis(
         program, offloads,
         build_plan(program, liveness, offloads, self.config), out_trees[-1],
-        rewrite(program, offloads, self.config, debug_info), jit_params)
+        rewrite(program, offloads, self.config, debug_info,
+                fusion=fusion), jit_params)
     self._analyses[key] = analysis
     if len(self._analyses) > _CACHE_SIZE:
       self._analyses.popitem(last=False)

@@ -46,17 +46,32 @@ def is_offloadable(aval) -> bool:
 
 
 def plan_offloads(program: Program, liveness: Liveness,
-                  config: OffloadConfig) -> tuple[Offload, ...]:
+                  config: OffloadConfig,
+                  materialized=None) -> tuple[Offload, ...]:
+  """The offloads `config` asks for. `materialized` (per value id, from
+  `jlms._simulator.analyse_fusion`) leaves out broadcasts that XLA fuses
+  into their readers: they have no buffer to free, and a copy to host
+  would create one, of a value recomputed from a far smaller one."""
   offloads = []
   for value, nbytes in enumerate(liveness.nbytes):
     if (nbytes < config.min_bytes or liveness.producer[value] < 0
-        or not is_offloadable(program.avals[value])):
+        or not is_offloadable(program.avals[value])
+        or (materialized is not None and not materialized[value]
+            and _is_broadcast(program, liveness, value))):
       continue
     offload = _plan_value(value, liveness.producer[value],
                           liveness.uses[value], config)
     if offload is not None:
       offloads.append(_before_relayouts(program, offload))
   return tuple(offloads)
+
+
+def _is_broadcast(program: Program, liveness: Liveness, value: int) -> bool:
+  """Whether `value` is made from inputs at least 4 times smaller."""
+  equation = program.equations[liveness.producer[value]]
+  inputs = sum(liveness.nbytes[a] for a in equation.inputs
+               if isinstance(a, int))
+  return 4 * inputs <= liveness.nbytes[value]
 
 
 def _before_relayouts(program: Program, offload: Offload) -> Offload:

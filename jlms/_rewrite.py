@@ -45,8 +45,17 @@ def _tieable(atom) -> bool:
 
 
 def rewrite(program: Program, offloads: tuple[Offload, ...],
-            config: OffloadConfig, debug_info=None, transfers: bool = True):
+            config: OffloadConfig, debug_info=None, transfers: bool = True,
+            fusion=None):
   """The closed jaxpr of `program` with `offloads` applied.
+
+  `fusion` (from `jlms._simulator.analyse_fusion`, with the offloaded values
+  forced to buffers) tells which equations XLA runs in place and which
+  values it fuses away: a swap-out's barrier waits for the first equation
+  that runs in place, so that the copy to host cannot drift to where a fused
+  equation's work really happens, and no barrier reads a fused-away value
+  (which would give it a buffer, such as a broadcast zero the size of an
+  attention matrix).
 
   With `transfers=False` the same barriers are emitted but the values stay
   on the device: the schedule's constraints without the copies, which is
@@ -88,11 +97,16 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
     eqns.append(_compat.barrier_equation(ins, outs, anchor, name))
     return outs[:len(carried)], outs[len(carried):]
 
+  executes_at = None if fusion is None else fusion.executes_at
+
+  def has_buffer(value: int) -> bool:
+    return fusion is None or bool(fusion.materialized[value])
+
   def tie_to_inputs(carried: list, atoms, anchor, name) -> list:
     """Barrier `carried` with the values of `atoms`; later reads of those
     atoms go through the barrier, so they wait for `carried`."""
     ids = [a for a in dict.fromkeys(a for a in atoms if isinstance(a, int))
-           if a in env and _tieable(env[a])]
+           if a in env and _tieable(env[a]) and has_buffer(a)]
     carried_out, tied = barrier(carried, [env[a] for a in ids], anchor, name)
     env.update(zip(ids, tied))
     return carried_out
@@ -124,9 +138,14 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
 
     if pending_host:
       next_inputs = [] if equation is None else [
-          a for a in live(equation.inputs) if _tieable(env[a])]
-      waiting = not next_inputs and equation is not None and not (
-          set(incoming) & set(pending_host))
+          a for a in live(equation.inputs)
+          if _tieable(env[a]) and has_buffer(a)]
+      # An equation XLA fuses into a far reader runs there, not here: tying
+      # the copy to its inputs would let XLA start the copy that late.
+      runs_here = executes_at is None or equation is None or (
+          executes_at[index] == index)
+      waiting = (not next_inputs or not runs_here) and (
+          equation is not None and not set(incoming) & set(pending_host))
       if not (sync_out and waiting):
         # Without sync (or with nothing to wait) the barrier holds the host
         # copy alone, which is what keeps XLA from deleting the round trip.
@@ -167,7 +186,11 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
     eqns.append(_compat.rebuilt_equation(
         equation.eqn, [read(a) for a in equation.inputs], outvars,
         equation.name_stack))
-    previous_outputs = list(equation.outputs)
+    # The latest buffers made: a fused-away result would get a buffer
+    # only because a barrier reads it.
+    made = [o for o in equation.outputs if has_buffer(o)]
+    if made:
+      previous_outputs = made
     reads_offloaded = any(isinstance(a, int) and swapped_out_at.get(a, end)
                           < index for a in equation.inputs)
     # A re-layout of a reader's output stands in for it: XLA folds the two

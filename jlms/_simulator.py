@@ -1,0 +1,237 @@
+"""Predicting XLA's device peak of a step, with and without an offload plan.
+
+XLA's peak of a step is its arguments plus its outputs (allocated for the
+whole call) plus the largest set of temporaries alive at once. The jaxpr
+alone overstates the temporaries: XLA's GPU compiler fuses elementwise and
+re-layout operations into the kernel that reads them, so their results never
+get a buffer, while the values they read stay alive until that kernel runs.
+The simulator models exactly that, and runs the step in jaxpr order (XLA's
+scheduler keeps the order the rewrite pins down with barriers, and mostly
+keeps autodiff's order elsewhere).
+
+Pure functions: nothing here traces, compiles or changes a program, so the
+auto-tuner can call `simulate` many times in a second. Its error against
+XLA's own buffer assignment is measured by the benchmarks
+(`python -m benchmarks.simulator_error`) and asserted by the tests.
+
+Guarantees: `MemoryTimeline.device_bytes[i]` counts every buffer that exists
+while equation `i` runs (index `len(program)` stands for the step's end);
+`peak_bytes` is its maximum; an offloaded value counts on the device only up
+to its swap-out and between each swap-in and its last read, and on host from
+its swap-out to its last swap-in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jlms import _compat
+from jlms._liveness import Liveness
+from jlms._planner import Offload
+from jlms._program import Program
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+  """Which values XLA would give a buffer, and when each value is last read
+  once fused reads are accounted for (a value read by a fused elementwise
+  operation is read where that operation's fused result is read)."""
+  materialized: np.ndarray  # bool per value id
+  last_read: np.ndarray  # int per value id; -1 for values nobody reads
+  executes_at: np.ndarray  # int per equation: where its work really happens
+
+
+def analyse_fusion(program: Program, liveness: Liveness,
+                   forced: frozenset | set = frozenset()) -> Fusion:
+  """The fusion model: a value is fused away (no buffer) when an elementwise
+  or re-layout equation makes it and every reader can take it fused
+  (elementwise, re-layout or a reduction), unless it is a step output, one of
+  `forced` (offloaded values, which a copy to host must read from a buffer),
+  or a costly elementwise result read by several equations (XLA computes it
+  once rather than in each reader)."""
+  equations = program.equations
+  n = len(equations)
+  n_values = len(program.avals)
+  producer = liveness.producer
+  uses = liveness.uses
+  fusible = np.zeros(n, dtype=bool)
+  takes_fused = np.zeros(n, dtype=bool)
+  expensive = np.zeros(n, dtype=bool)
+  for index, equation in enumerate(equations):
+    primitive = equation.primitive
+    fusible[index] = _compat.is_fusible_equation(equation.eqn)
+    takes_fused[index] = fusible[index] or (
+        primitive in _compat.REDUCTION_PRIMITIVES)
+    expensive[index] = primitive in _compat.EXPENSIVE_PRIMITIVES
+
+  materialized = np.ones(n_values, dtype=bool)
+  for value in range(n_values):
+    made_by = producer[value]
+    if made_by < 0 or not fusible[made_by] or value in forced:
+      continue
+    reads = uses[value]
+    if not reads:
+      materialized[value] = False  # dead: XLA removes it
+      continue
+    if reads[-1] >= n:
+      continue  # a step output
+    if not all(takes_fused[r] for r in reads):
+      continue
+    if len(reads) > 1 and expensive[made_by]:
+      continue
+    materialized[value] = False
+
+  last_read = np.full(n_values, -1, dtype=np.int64)
+  executes_at = np.arange(n, dtype=np.int64)
+
+  def last_read_of(value: int) -> int:
+    reads = uses[value]
+    if not reads:
+      return -1
+    if reads[-1] >= n:
+      return n
+    return int(max(executes_at[r] for r in reads))
+
+  # Reverse order: an equation's reads are all later, so their execution
+  # points are known when its outputs' last reads are computed.
+  for index in range(n - 1, -1, -1):
+    outputs = equations[index].outputs
+    latest = -1
+    any_buffer = False
+    for out in outputs:
+      last_read[out] = last_read_of(out)
+      if materialized[out]:
+        any_buffer = True
+      else:
+        latest = max(latest, int(last_read[out]))
+    if not any_buffer and latest >= 0:
+      executes_at[index] = latest
+  for value in program.invars:
+    last_read[value] = last_read_of(value)
+  return Fusion(materialized, last_read, executes_at)
+
+
+def _swapped_out_at(value, offload, liveness, executes_at) -> int:
+  """Where the device copy of an offloaded value dies: after the swap-out,
+  or later if a read before the swap-out is fused into a later equation."""
+  end = offload.swap_out_after
+  for read in liveness.uses[value]:
+    if read > offload.swap_out_after:
+      break
+    end = max(end, int(executes_at[read]))
+  return end
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryTimeline:
+  """Predicted memory of one run of a step, equation by equation.
+
+  Index `i` is "while equation `i` of the flattened step runs"; the last
+  index is the step's end. `fixed_bytes` (arguments and outputs) is included
+  in every entry of `device_bytes`.
+  """
+  device_bytes: np.ndarray
+  host_bytes: np.ndarray
+  fixed_bytes: int
+  peak_index: int
+  live_at_peak: tuple[int, ...]  # temporaries at the peak, largest first
+
+  @property
+  def peak_bytes(self) -> int:
+    return int(self.device_bytes[self.peak_index])
+
+  @property
+  def host_peak_bytes(self) -> int:
+    return int(self.host_bytes.max()) if len(self.host_bytes) else 0
+
+
+def fixed_bytes(program: Program, liveness: Liveness) -> int:
+  """Bytes of the step's arguments and outputs (each counted once per
+  buffer: an output that is an argument still gets its own buffer)."""
+  total = sum(liveness.nbytes[v] for v in program.invars)
+  seen = set()
+  for atom in program.outvars:
+    if isinstance(atom, int):
+      if atom in seen:
+        continue
+      seen.add(atom)
+      total += liveness.nbytes[atom]
+    else:
+      total += _compat_nbytes(atom)
+  return total
+
+
+def _compat_nbytes(const) -> int:
+  from jlms._liveness import aval_nbytes
+  return aval_nbytes(_compat.abstractify(const.value))
+
+
+def simulate(program: Program, liveness: Liveness,
+             offloads: tuple[Offload, ...] = (),
+             fusion: Fusion | None = None) -> MemoryTimeline:
+  """The predicted device and host memory of `program` run with `offloads`.
+
+  `fusion` may be passed when it was computed with the offloaded values
+  forced to buffers (the tuner reuses one for many plans); by default it is
+  computed here.
+  """
+  n = len(program)
+  offload_of = {o.value: o for o in offloads}
+  if fusion is None:
+    fusion = analyse_fusion(program, liveness, frozenset(offload_of))
+  nbytes = np.asarray(liveness.nbytes, dtype=np.int64)
+  start = np.asarray(liveness.producer, dtype=np.int64)
+  stop = fusion.last_read.copy()
+  temporary = fusion.materialized & (start >= 0) & (stop >= 0) & (nbytes > 0)
+  outputs = [a for a in program.outvars if isinstance(a, int)]
+  temporary[outputs] = False
+  stop = np.minimum(stop, n)
+
+  device = np.zeros(n + 2, dtype=np.int64)
+  host = np.zeros(n + 2, dtype=np.int64)
+  for value in offload_of:
+    temporary[value] = False
+  values = np.nonzero(temporary)[0]
+  np.add.at(device, start[values], nbytes[values])
+  np.add.at(device, stop[values] + 1, -nbytes[values])
+
+  executes_at = fusion.executes_at
+  for value, offload in offload_of.items():
+    size = liveness.nbytes[value]
+    if not size:
+      continue
+    if value not in outputs:  # outputs are in `fixed` already
+      device[start[value]] += size
+      device[_swapped_out_at(value, offload, liveness, executes_at) + 1] -= size
+      for swap_in in offload.swap_ins:
+        end = max(int(executes_at[r]) if r < n else n for r in swap_in.reads)
+        device[swap_in.issue_before] += size
+        device[end + 1] -= size
+    host[offload.swap_out_after] += size
+    host[offload.swap_ins[-1].issue_before + 1] -= size
+
+  fixed = fixed_bytes(program, liveness)
+  device_bytes = np.cumsum(device)[: n + 1] + fixed
+  host_bytes = np.cumsum(host)[: n + 1]
+  peak_index = int(np.argmax(device_bytes))
+  return MemoryTimeline(device_bytes, host_bytes, fixed, peak_index,
+                        _live_at(peak_index, values, start, stop, nbytes,
+                                 offload_of, executes_at, n, liveness))
+
+
+def _live_at(index, values, start, stop, nbytes, offload_of, executes_at,
+             n, liveness) -> tuple[int, ...]:
+  live = [int(v) for v in values if start[v] <= index <= stop[v]]
+  for value, offload in offload_of.items():
+    if start[value] <= index <= _swapped_out_at(value, offload, liveness,
+                                                 executes_at):
+      live.append(value)
+      continue
+    for swap_in in offload.swap_ins:
+      end = max(int(executes_at[r]) if r < n else n for r in swap_in.reads)
+      if swap_in.issue_before <= index <= end:
+        live.append(value)
+        break
+  return tuple(sorted(live, key=lambda v: -int(nbytes[v])))
