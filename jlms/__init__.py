@@ -11,6 +11,7 @@ from jlms._offload import OffloadedStep as OffloadedStep
 from jlms._offload import offload as offload
 from jlms._plan import OffloadedValue as OffloadedValue
 from jlms._plan import Plan as Plan
+from jlms._tuner import BudgetError as BudgetError
 from jlms._stats import MemoryStats as MemoryStats
 from jlms._stats import memory_stats as memory_stats
 from jlms._verify import MemoryComparison as MemoryComparison

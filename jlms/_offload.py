@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
 from typing import Any, Callable, Sequence
 
 import jax
@@ -29,9 +30,15 @@ from jlms._plan import Plan, build_plan
 from jlms._planner import Offload, plan_offloads
 from jlms._program import Program, flatten
 from jlms._rewrite import rewrite
-from jlms._simulator import analyse_fusion
+from jlms._simulator import analyse_fusion, simulate
+from jlms._plan import format_bytes
+from jlms._tuner import BudgetError, largest_equation, parse_budget, tune
+from jlms._xla_memory import target_memory_bytes, xla_memory
 
 _CACHE_SIZE = 32
+_CONFIRMATIONS = 4  # XLA compiles at most, when fitting a budget
+
+log = logging.getLogger("jlms")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +64,7 @@ class OffloadedStep:
 
   def __init__(self, fun: Callable, config: OffloadConfig, *,
                static_argnums=(), static_argnames=(), donate_argnums=(),
-               donate_argnames=(), verify=None):
+               donate_argnames=(), verify=None, budget=None, target=None):
     if not callable(fun):
       raise TypeError(f"jlms.offload expects a callable, got {type(fun)}")
     functools.update_wrapper(self, fun)
@@ -74,6 +81,10 @@ class OffloadedStep:
     self._jitted = jax.jit(self._rewritten, **self.jit_options)
     self._verify = verify
     self._verified: set = set()
+    self.budget = budget
+    self.target = target
+    if budget is not None:
+      parse_budget(budget, lambda: 1)  # reject malformed budgets now
 
   def __repr__(self) -> str:
     name = getattr(self._fun, "__qualname__", repr(self._fun))
@@ -180,20 +191,94 @@ class OffloadedStep:
     jit_params, debug_info = _compat.call_template(closed)
     program = flatten(closed)
     liveness = analyse(program)
-    unforced = analyse_fusion(program, liveness)
-    offloads = plan_offloads(program, liveness, self.config,
-                             unforced.materialized)
-    fusion = analyse_fusion(program, liveness,
-                            frozenset(o.value for o in offloads))
+    baseline = simulate(program, liveness)
+    if self.budget is None:
+      unforced = analyse_fusion(program, liveness)
+      offloads = plan_offloads(program, liveness, self.config,
+                               unforced.materialized)
+      rewritten = self._rewrite(program, liveness, offloads, self.config,
+                                debug_info)
+      extra = {}
+      config = self.config
+    else:
+      offloads, rewritten, config, extra = self._fit_budget(
+          program, liveness, baseline, jit_params, debug_info)
+    timeline = simulate(program, liveness, offloads)
     analysis = _Analysis(
         program, offloads,
-        build_plan(program, liveness, offloads, self.config), out_trees[-1],
-        rewrite(program, offloads, self.config, debug_info,
-                fusion=fusion), jit_params)
+        build_plan(program, liveness, offloads, config, baseline, timeline,
+                   **extra),
+        out_trees[-1], rewritten, jit_params)
     self._analyses[key] = analysis
     if len(self._analyses) > _CACHE_SIZE:
       self._analyses.popitem(last=False)
     return analysis, leaves
+
+  @staticmethod
+  def _rewrite(program, liveness, offloads, config, debug_info):
+    fusion = analyse_fusion(program, liveness,
+                            frozenset(o.value for o in offloads))
+    return rewrite(program, offloads, config, debug_info, fusion=fusion)
+
+  def _confirm_target(self) -> str | None:
+    """Where XLA confirms a budget: the named target, else the local GPU,
+    else nowhere (a CPU has no GPU compiler to ask)."""
+    if self.target is not None:
+      return self.target
+    return "local" if jax.default_backend() == "gpu" else None
+
+  def _fit_budget(self, program, liveness, baseline, jit_params, debug_info):
+    """Tune for the budget with the simulator, then confirm with XLA,
+    tightening the simulator's budget while XLA's peak does not fit."""
+    target = self._confirm_target()
+    budget = parse_budget(
+        self.budget, lambda: target_memory_bytes(target or "local"))
+    avals = [program.avals[v] for v in program.invars]
+    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    log.info("jlms: the step has %d equations and %d values; its arguments "
+             "take %s", len(program), len(program.avals),
+             format_bytes(sum(liveness.nbytes[v] for v in program.invars)))
+    index, size = largest_equation(program, liveness)
+    if index >= 0:
+      log.info("jlms: the largest equation is %s (equation %d) with %s of "
+               "inputs and outputs", program.equations[index].readable_name(),
+               index, format_bytes(size))
+    searched = budget
+    measured = None
+    for _ in range(_CONFIRMATIONS):
+      tuning, offloads = tune(program, liveness, searched, self.config,
+                              baseline)
+      config = tuning.chosen.config if tuning.chosen else self.config
+      rewritten = self._rewrite(program, liveness, offloads, config,
+                                debug_info)
+      if target is None:
+        log.info("jlms: not confirmed with XLA (no GPU here and no target= "
+                 "named)")
+        break
+
+      def program_fn(*leaves, rewritten=rewritten):
+        return _compat.bind_jit(jit_params, rewritten, leaves)
+
+      measured = xla_memory(jax.jit(program_fn), *abstract,
+                            target=target).peak_bytes
+      log.info("jlms: XLA's peak on %s: %s (budget %s)", target,
+               format_bytes(measured), format_bytes(budget))
+      if measured <= budget:
+        break
+      # The simulator was optimistic by measured/searched-peak: ask it for
+      # proportionally less and search again.
+      searched = int(searched * budget / measured * 0.97)
+      log.warning("jlms: XLA's peak %s exceeds the budget %s; searching "
+                  "again for %s", format_bytes(measured), format_bytes(budget),
+                  format_bytes(searched))
+    else:
+      raise BudgetError(
+          f"jlms: XLA's peak on {target} is {format_bytes(measured)}, above "
+          f"the budget of {format_bytes(budget)}, after {_CONFIRMATIONS} "
+          "searches; raise the budget or lower min_bytes/prefetch_ahead")
+    extra = dict(budget_bytes=budget, tuning=tuning, xla_peak_bytes=measured,
+                 xla_target=target if measured is not None else None)
+    return offloads, rewritten, config, extra
 
   def _rewritten(self, *args, **kwargs):
     analysis, leaves = self._analysis(args, kwargs)
@@ -211,7 +296,9 @@ def offload(fun: Callable | None = None, *,
             static_argnames: str | Sequence[str] = (),
             donate_argnums: int | Sequence[int] = (),
             donate_argnames: str | Sequence[str] = (),
-            verify: bool | None = None):
+            verify: bool | None = None,
+            budget: int | str | None = None,
+            target: str | None = None):
   """Wraps a train step so that its large, long-lived values live on host.
 
   Use like `jax.jit`: `step = jlms.offload(train_step)` or as a decorator,
@@ -240,6 +327,16 @@ def offload(fun: Callable | None = None, *,
       device peak, warning with `jlms.OffloadIneffectiveWarning` otherwise.
       None (default): only when running on a GPU (it costs one extra compile
       of the step with and without jlms).
+    budget: device memory the step may use: bytes, a size such as "20GiB",
+      or a percentage such as "90%" of the device's (or the target's)
+      memory. The knobs `min_bytes` and `swapout_threshold` are then
+      searched for the least host traffic whose predicted peak fits; a step
+      that fits as it is is not rewritten. The choice is confirmed with XLA
+      (on `target`, else on the local GPU) and searched again while XLA's
+      peak does not fit. Raises `jlms.BudgetError` when nothing fits.
+    target: "h100", "h200", "a100" (deviceless compile) or "local": where
+      XLA confirms a budget. None: the local GPU if there is one, else the
+      choice rests on the simulator alone.
 
   Returns:
     An `OffloadedStep`: call it like the step; `.lower(...)`, `.trace(...)`
@@ -252,7 +349,8 @@ def offload(fun: Callable | None = None, *,
   jit_options = dict(static_argnums=static_argnums,
                      static_argnames=static_argnames,
                      donate_argnums=donate_argnums,
-                     donate_argnames=donate_argnames, verify=verify)
+                     donate_argnames=donate_argnames, verify=verify,
+                     budget=budget, target=target)
   if fun is None:
     return lambda f: OffloadedStep(f, config, **jit_options)
   return OffloadedStep(fun, config, **jit_options)

@@ -8,6 +8,7 @@ Its `str()` reads like TFLMS's info log.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,6 +17,10 @@ from jlms._config import OffloadConfig
 from jlms._liveness import Liveness
 from jlms._planner import Offload
 from jlms._program import Program
+from jlms._simulator import MemoryTimeline
+
+if TYPE_CHECKING:
+  from jlms._tuner import Tuning
 
 
 def format_bytes(n: float) -> str:
@@ -58,6 +63,30 @@ class Plan:
   largest_equation_index: int
   largest_equation_bytes: int
   offloaded: tuple[OffloadedValue, ...]
+  # The simulator's view of one step (see `jlms._simulator`): device and
+  # host bytes per equation without offloading and with this plan.
+  baseline: MemoryTimeline | None = None
+  timeline: MemoryTimeline | None = None
+  live_at_peak: tuple[tuple[str, int], ...] = ()  # (value, bytes), with plan
+  budget_bytes: int | None = None
+  tuning: Tuning | None = None
+  xla_peak_bytes: int | None = None  # XLA's peak of the chosen program
+  xla_target: str | None = None
+
+  @property
+  def baseline_peak_bytes(self) -> int | None:
+    """Predicted device peak of `jax.jit(step)`."""
+    return None if self.baseline is None else self.baseline.peak_bytes
+
+  @property
+  def predicted_peak_bytes(self) -> int | None:
+    """Predicted device peak of the step with this plan."""
+    return None if self.timeline is None else self.timeline.peak_bytes
+
+  @property
+  def predicted_host_bytes(self) -> int | None:
+    """Predicted largest amount of pinned host memory in use at once."""
+    return None if self.timeline is None else self.timeline.host_peak_bytes
 
   @property
   def offloaded_bytes(self) -> int:
@@ -72,6 +101,16 @@ class Plan:
   @property
   def host_traffic_bytes(self) -> int:
     return self.offloaded_bytes + self.prefetched_bytes
+
+  def plot(self, ax=None, *, show_budget: bool = True):
+    """Device memory over one step with and without offloading, the budget
+    line and the swaps (matplotlib); returns the Axes."""
+    from jlms._report import plot_plan
+    return plot_plan(self, ax=ax, show_budget=show_budget)
+
+  def _repr_html_(self) -> str:
+    from jlms._report import plan_html
+    return plan_html(self)
 
   def __str__(self) -> str:
     c = self.config
@@ -92,6 +131,18 @@ class Plan:
         f"{sum(v.swap_ins for v in self.offloaded)} swap-ins "
         f"({format_bytes(self.prefetched_bytes)})",
     ]
+    if self.baseline is not None and self.timeline is not None:
+      lines.append(
+          f"jlms: predicted device peak {format_bytes(self.baseline_peak_bytes)}"
+          f" without offloading, {format_bytes(self.predicted_peak_bytes)} "
+          f"with it; host {format_bytes(self.predicted_host_bytes)}")
+    if self.budget_bytes is not None:
+      verdict = ("fits without offloading" if self.tuning is not None
+                 and self.tuning.chosen is None else "tuned to fit")
+      lines.append(f"jlms: budget {format_bytes(self.budget_bytes)}: {verdict}")
+    if self.xla_peak_bytes is not None:
+      lines.append(f"jlms: XLA's peak on {self.xla_target}: "
+                   f"{format_bytes(self.xla_peak_bytes)}")
     shown = sorted(self.offloaded, key=lambda v: -v.nbytes)[:20]
     if shown:
       lines.append(f"  {'value':<48} {'shape':<22} {'size':>11} "
@@ -108,14 +159,13 @@ class Plan:
 
 
 def build_plan(program: Program, liveness: Liveness,
-               offloads: tuple[Offload, ...], config: OffloadConfig) -> Plan:
-  largest_index, largest_bytes = -1, 0
-  for index, equation in enumerate(program.equations):
-    touched = {a for a in equation.inputs if isinstance(a, int)}
-    touched.update(equation.outputs)
-    size = sum(liveness.nbytes[v] for v in touched)
-    if size > largest_bytes:
-      largest_index, largest_bytes = index, size
+               offloads: tuple[Offload, ...], config: OffloadConfig,
+               baseline: MemoryTimeline | None = None,
+               timeline: MemoryTimeline | None = None, **extra) -> Plan:
+  """The plan of `offloads`; `extra` sets the budget, tuning and XLA
+  fields."""
+  from jlms._tuner import largest_equation
+  largest_index, largest_bytes = largest_equation(program, liveness)
   largest_name = (program.equations[largest_index].readable_name()
                   if largest_index >= 0 else "none")
   values = []
@@ -142,4 +192,19 @@ def build_plan(program: Program, liveness: Liveness,
       largest_equation_index=largest_index,
       largest_equation_bytes=largest_bytes,
       offloaded=tuple(values),
+      baseline=baseline,
+      timeline=timeline,
+      live_at_peak=() if timeline is None else tuple(
+          (_value_name(program, liveness, v), liveness.nbytes[v])
+          for v in timeline.live_at_peak[:20]),
+      **extra,
   )
+
+
+def _value_name(program: Program, liveness: Liveness, value: int) -> str:
+  made_by = liveness.producer[value]
+  aval = program.avals[value]
+  shape = f"{np.dtype(aval.dtype).name}{list(aval.shape)}"
+  if made_by < 0:
+    return f"argument {program.invars.index(value)} {shape}"
+  return f"{program.equations[made_by].readable_name()} {shape}"

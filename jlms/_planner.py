@@ -53,17 +53,22 @@ def plan_offloads(program: Program, liveness: Liveness,
   into their readers: they have no buffer to free, and a copy to host
   would create one, of a value recomputed from a far smaller one."""
   offloads = []
-  for value, nbytes in enumerate(liveness.nbytes):
-    if (nbytes < config.min_bytes or liveness.producer[value] < 0
-        or not is_offloadable(program.avals[value])
-        or (materialized is not None and not materialized[value]
-            and _is_broadcast(program, liveness, value))):
-      continue
+  for value in candidates(program, liveness, config.min_bytes, materialized):
     offload = _plan_value(value, liveness.producer[value],
                           liveness.uses[value], config)
     if offload is not None:
       offloads.append(_before_relayouts(program, offload))
   return tuple(offloads)
+
+
+def candidates(program: Program, liveness: Liveness, min_bytes: int,
+               materialized=None) -> list[int]:
+  """The values `plan_offloads` may move, whatever their reads."""
+  return [value for value, nbytes in enumerate(liveness.nbytes)
+          if nbytes >= min_bytes and liveness.producer[value] >= 0
+          and is_offloadable(program.avals[value])
+          and not (materialized is not None and not materialized[value]
+                   and _is_broadcast(program, liveness, value))]
 
 
 def _is_broadcast(program: Program, liveness: Liveness, value: int) -> bool:

@@ -200,6 +200,26 @@ def _check_target(target: str) -> None:
         )
 
 
+def target_memory_bytes(target: str) -> int:
+    """Device memory of one GPU of `target`: its description's
+    `device_memory_size` for a named target, the allocator's limit for
+    "local" (ValueError where the backend reports none, as on CPU)."""
+    _check_target(target)
+    if target == LOCAL_TARGET:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if stats.get("bytes_limit", -1) > 0:
+            return int(stats["bytes_limit"])
+        raise ValueError(
+            f"jlms: the {jax.default_backend()} backend reports no memory "
+            "limit; give the budget in bytes or name a target such as 'h100'")
+    text = (importlib.resources.files("jlms").joinpath("targets")
+            .joinpath(_GPU_TARGET_FILES[target]).read_text())
+    match = re.search(r"device_memory_size:\s*(\d+)", text)
+    if match is None:
+        raise ValueError(f"jlms: target {target!r} has no device_memory_size")
+    return int(match.group(1))
+
+
 @functools.cache
 def _gpu_topology(target: str, topology: str) -> topologies.TopologyDescription:
     # Cached because creating it is slow and because devices of two creations
