@@ -284,15 +284,16 @@ def _budget_error(program, liveness, budget_bytes, baseline,
   index, equation_bytes = largest_equation(program, liveness)
   if fixed >= equation_bytes:
     cause = (f"the step's arguments and outputs (parameters, optimizer "
-             f"state, batch) take {format_bytes(fixed)} on the device for the "
-             "whole step")
+             f"state, batch), which take {format_bytes(fixed)} on the device "
+             "for the whole step")
     advice = ("donate the state (donate_argnums) so that outputs reuse "
               "argument buffers, shard parameters and optimizer state over "
               "devices, or use a smaller model or batch")
   else:
     name = program.equations[index].readable_name()
-    cause = (f"its largest equation, {name} (equation {index}), needs "
-             f"{format_bytes(equation_bytes)} of inputs and outputs at once")
+    cause = (f"its largest equation, {name} (equation {index}), which "
+             f"needs {format_bytes(equation_bytes)} of inputs and outputs at "
+             "once")
     advice = ("shrink that operation (a smaller batch or image, or split it "
               "into chunks), or shard it over devices")
   return BudgetError(

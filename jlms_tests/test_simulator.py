@@ -1,0 +1,126 @@
+"""The simulator: its fusion model, its timelines, and its error against XLA."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jlms
+from benchmarks import models
+from jlms._liveness import analyse
+from jlms._planner import Offload, SwapIn
+from jlms._program import flatten
+from jlms._simulator import analyse_fusion, simulate
+
+MIB = 1 << 20
+
+
+def _program(fun, *args):
+  program = flatten(jax.make_jaxpr(fun)(*args))
+  return program, analyse(program)
+
+
+def _made_by(program, liveness, primitive_name):
+  return [v for v in range(len(program.avals)) if liveness.producer[v] >= 0
+          and program.equations[liveness.producer[v]].primitive.name
+          == primitive_name]
+
+
+def test_elementwise_chains_are_fused_into_their_reader():
+  x = jnp.ones((256, 256))
+  program, liveness = _program(lambda a: jnp.tanh(a * 2.0 + 1.0) @ a, x)
+  fusion = analyse_fusion(program, liveness)
+  mul, = _made_by(program, liveness, "mul")
+  tanh, = _made_by(program, liveness, "tanh")
+  dot, = _made_by(program, liveness, "dot_general")
+  assert not fusion.materialized[mul]  # read only by the fused add
+  assert fusion.materialized[tanh]  # a matmul reads it
+  assert fusion.materialized[dot]
+  # The multiply's work happens inside the tanh kernel, where the add is.
+  assert fusion.executes_at[liveness.producer[mul]] == liveness.producer[tanh]
+
+
+def test_relu_is_fusible_through_its_custom_jvp_call():
+  x = jnp.ones((64, 64))
+  program, liveness = _program(lambda a: jax.nn.relu(a).sum(), x)
+  fusion = analyse_fusion(program, liveness)
+  relu_output = program.equations[0].outputs[0]
+  assert program.equations[0].primitive.name == "custom_jvp_call"
+  assert not fusion.materialized[relu_output]
+
+
+def test_a_fused_read_keeps_its_input_alive_until_the_fused_work_runs():
+  def f(a, b):
+    early = a * 3.0  # fused into the late add: a stays alive until then
+    middle = (b @ b) @ b
+    return middle + early
+  x = jnp.ones((512, 512))
+  program, liveness = _program(f, x, x)
+  fusion = analyse_fusion(program, liveness)
+  a = program.invars[0]
+  add, = _made_by(program, liveness, "add")
+  assert fusion.last_read[a] == liveness.producer[add]
+
+
+def test_timeline_counts_arguments_outputs_and_live_temporaries():
+  x = jnp.ones((1024, 1024))  # 4 MiB
+  program, liveness = _program(lambda a: jnp.sin(a @ a) @ a, x)
+  timeline = simulate(program, liveness)
+  assert timeline.fixed_bytes == 8 * MIB  # argument and output
+  assert len(timeline.device_bytes) == len(program) + 1
+  # The first matmul's output and the sin's both live at the second matmul.
+  assert timeline.peak_bytes == 8 * MIB + 8 * MIB
+  assert timeline.device_bytes[-1] == timeline.fixed_bytes
+
+
+def test_an_offloaded_value_moves_from_device_to_host_and_back():
+  def f(a):
+    h = a @ a
+    for _ in range(6):
+      a = jnp.sin(a @ a)
+    return a @ h
+  x = jnp.ones((1024, 1024))
+  program, liveness = _program(f, x)
+  h = program.equations[0].outputs[0]
+  last = len(program) - 1
+  offload = Offload(h, swap_out_after=0,
+                    swap_ins=(SwapIn(issue_before=last, reads=(last,)),))
+  base = simulate(program, liveness)
+  moved = simulate(program, liveness, (offload,))
+  middle = last // 2
+  assert base.device_bytes[middle] - moved.device_bytes[middle] == 4 * MIB
+  assert moved.host_bytes[middle] == 4 * MIB
+  assert moved.host_bytes[last + 1] == 0
+  assert moved.device_bytes[last] == base.device_bytes[last]
+  assert h not in moved.live_at_peak or moved.peak_index >= last
+
+
+def test_plan_reports_predicted_peaks():
+  case = models.mlp_case(depth=8, width=512, batch=512)
+  plan = jlms.offload(case.step, swapout_threshold=5).plan(
+      *case.abstract_args())
+  assert plan.baseline_peak_bytes > plan.predicted_peak_bytes > 0
+  assert plan.predicted_host_bytes > 0
+  assert plan.live_at_peak and all(size > 0 for _, size in plan.live_at_peak)
+  assert "predicted device peak" in str(plan)
+
+
+def _relative_errors(case, **knobs):
+  step = jlms.offload(case.step, **knobs)
+  args = case.abstract_args()
+  plan = step.plan(*args)
+  comparison = step.memory(*args, target="h100")
+  return (plan.baseline_peak_bytes / comparison.baseline.peak_bytes - 1,
+          plan.predicted_peak_bytes / comparison.offloaded.peak_bytes - 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [
+    models.mlp_case(depth=16, width=2048, batch=4096),
+    models.resnet_case(blocks=4, channels=64, image_size=128, batch=8),
+    models.gpt_case(layers=4, width=512, heads=8, seq=1024, batch=4),
+], ids=["mlp", "cnn", "gpt"])
+def test_predicted_peaks_are_within_20_percent_of_xla(case):
+  baseline_error, offloaded_error = _relative_errors(case)
+  assert abs(baseline_error) <= 0.20, baseline_error
+  assert abs(offloaded_error) <= 0.20, offloaded_error
