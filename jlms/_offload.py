@@ -32,7 +32,8 @@ from jlms._program import Program, flatten
 from jlms._rewrite import rewrite
 from jlms._simulator import analyse_fusion, simulate
 from jlms._plan import format_bytes
-from jlms._tuner import BudgetError, largest_equation, parse_budget, tune
+from jlms._tuner import (BudgetError, Tuning, largest_equation, parse_budget,
+                         tune)
 from jlms._xla_memory import target_memory_bytes, xla_memory
 
 _CACHE_SIZE = 32
@@ -227,6 +228,13 @@ class OffloadedStep:
       return self.target
     return "local" if jax.default_backend() == "gpu" else None
 
+  @staticmethod
+  def _xla_peak(jit_params, rewritten, abstract, target) -> int:
+    def program_fn(*leaves):
+      return _compat.bind_jit(jit_params, rewritten, leaves)
+    return xla_memory(jax.jit(program_fn), *abstract,
+                      target=target).peak_bytes
+
   def _fit_budget(self, program, liveness, baseline, jit_params, debug_info):
     """Tune for the budget with the simulator, then confirm with XLA,
     tightening the simulator's budget while XLA's peak does not fit."""
@@ -246,8 +254,32 @@ class OffloadedStep:
     searched = budget
     measured = None
     for _ in range(_CONFIRMATIONS):
-      tuning, offloads = tune(program, liveness, searched, self.config,
-                              baseline)
+      try:
+        tuning, offloads = tune(program, liveness, searched, self.config,
+                                baseline)
+      except BudgetError as error:
+        smallest = getattr(error, "smallest", None)
+        if measured is None or smallest is None:
+          raise
+        # The simulator sees nothing that fits the tighter budget; XLA may
+        # still accept its most eager setting.
+        offloads = plan_offloads(program, liveness, smallest.config,
+                                 analyse_fusion(program, liveness).materialized)
+        rewritten = self._rewrite(program, liveness, offloads,
+                                  smallest.config, debug_info)
+        tuning = Tuning(budget, baseline.peak_bytes, smallest,
+                        (smallest,), 0.0)
+        eager = self._xla_peak(jit_params, rewritten, abstract, target)
+        log.info("jlms: XLA's peak of the most eager setting: %s",
+                 format_bytes(eager))
+        if eager <= budget:
+          measured, config = eager, smallest.config
+          break
+        raise BudgetError(
+            f"jlms: the step does not fit a budget of {format_bytes(budget)} "
+            f"on {target}: the plan the simulator predicted to fit has an "
+            f"XLA peak of {format_bytes(measured)}, and the most eager "
+            f"setting {format_bytes(eager)}. {error}") from None
       config = tuning.chosen.config if tuning.chosen else self.config
       rewritten = self._rewrite(program, liveness, offloads, config,
                                 debug_info)
@@ -256,11 +288,7 @@ class OffloadedStep:
                  "named)")
         break
 
-      def program_fn(*leaves, rewritten=rewritten):
-        return _compat.bind_jit(jit_params, rewritten, leaves)
-
-      measured = xla_memory(jax.jit(program_fn), *abstract,
-                            target=target).peak_bytes
+      measured = self._xla_peak(jit_params, rewritten, abstract, target)
       log.info("jlms: XLA's peak on %s: %s (budget %s)", target,
                format_bytes(measured), format_bytes(budget))
       if measured <= budget:

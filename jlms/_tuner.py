@@ -296,9 +296,13 @@ def _budget_error(program, liveness, budget_bytes, baseline,
              "once")
     advice = ("shrink that operation (a smaller batch or image, or split it "
               "into chunks), or shard it over devices")
-  return BudgetError(
+  error = BudgetError(
       f"jlms: the step cannot fit a budget of {format_bytes(budget_bytes)}: "
       f"the smallest peak jlms can reach is {format_bytes(minimum)} "
       f"(predicted; {format_bytes(baseline.peak_bytes)} without offloading). "
       f"It is dominated by {cause}. To fit, {advice}; or raise the budget to "
       f"at least {format_bytes(minimum)}.")
+  # The setting with the smallest predicted peak, for a caller that can
+  # check it another way (XLA) before giving up.
+  error.smallest = smallest
+  return error
