@@ -253,6 +253,20 @@ class OffloadedStep:
                index, format_bytes(size))
     searched = budget
     measured = None
+    if target is not None and baseline.peak_bytes > budget:
+      # The simulator can overstate jax.jit's peak too: ask XLA before
+      # offloading a step that already fits.
+      plain = self._rewrite(program, liveness, (), self.config, debug_info)
+      plain_peak = self._xla_peak(jit_params, plain, abstract, target)
+      log.info("jlms: XLA's peak on %s without offloading: %s", target,
+               format_bytes(plain_peak))
+      if plain_peak <= budget:
+        log.info("jlms: the step fits without offloading; nothing is "
+                 "rewritten")
+        tuning = Tuning(budget, baseline.peak_bytes, None, (), 0.0)
+        return (), plain, self.config, dict(
+            budget_bytes=budget, tuning=tuning, xla_peak_bytes=plain_peak,
+            xla_target=target)
     for _ in range(_CONFIRMATIONS):
       try:
         tuning, offloads = tune(program, liveness, searched, self.config,

@@ -62,14 +62,18 @@ class Plan:
   largest_equation: str
   largest_equation_index: int
   largest_equation_bytes: int
-  offloaded: tuple[OffloadedValue, ...]
+  offloaded: tuple[OffloadedValue, ...] = dataclasses.field(repr=False)
   # The simulator's view of one step (see `jlms._simulator`): device and
   # host bytes per equation without offloading and with this plan.
-  baseline: MemoryTimeline | None = None
-  timeline: MemoryTimeline | None = None
-  live_at_peak: tuple[tuple[str, int], ...] = ()  # (value, bytes), with plan
+  baseline: MemoryTimeline | None = dataclasses.field(default=None,
+                                                       repr=False)
+  timeline: MemoryTimeline | None = dataclasses.field(default=None,
+                                                       repr=False)
+  # (value, bytes) of the 20 largest values alive at the predicted peak.
+  live_at_peak: tuple[tuple[str, int], ...] = dataclasses.field(
+      default=(), repr=False)
   budget_bytes: int | None = None
-  tuning: Tuning | None = None
+  tuning: Tuning | None = dataclasses.field(default=None, repr=False)
   xla_peak_bytes: int | None = None  # XLA's peak of the chosen program
   xla_target: str | None = None
 
