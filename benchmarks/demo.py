@@ -17,15 +17,14 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
-import json
 import logging
 import time
 
 import jax
-import numpy as np
 
 import jlms
 from benchmarks import models
+from benchmarks._output import write_json
 
 
 def _measure(case, target: str) -> dict:
@@ -93,9 +92,7 @@ def main(argv=None) -> dict:
         f"jax.jit, {result['jlms']['peak_bytes'] / 2**30:.2f} GiB with "
         f"jlms.offload ({result['peak_ratio']:.1%}); "
         f"{result['jlms']['host_bytes'] / 2**30:.2f} GiB on host.")
-  if options.json:
-    with open(options.json, "w") as f:
-      json.dump(result, f, indent=2, default=lambda x: np.asarray(x).tolist())
+  write_json(options.json, result)
   return result
 
 

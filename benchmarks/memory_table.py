@@ -17,13 +17,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import gc
-import json
 import time
 
 import jax
 
 import jlms
 from benchmarks import models
+from benchmarks._output import write_json
 
 MIB = 1 << 20
 
@@ -105,9 +105,7 @@ def main(argv=None) -> dict:
         f"{trace['make_jaxpr_seconds']:.2f} s, jax.jit(jlms.offload).trace "
         f"{trace['offload_trace_seconds']:.2f} s (x{trace['ratio']:.2f})")
   result = {"rows": rows, "trace_cost": trace}
-  if options.json:
-    with open(options.json, "w") as f:
-      json.dump(result, f, indent=2)
+  write_json(options.json, result)
   return result
 
 

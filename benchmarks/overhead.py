@@ -18,7 +18,6 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
-import json
 import statistics
 import time
 
@@ -26,6 +25,7 @@ import jax
 
 import jlms
 from benchmarks import models
+from benchmarks._output import write_json
 from jlms import _compat
 from jlms._rewrite import rewrite
 
@@ -95,9 +95,7 @@ def main(argv=None) -> list[dict]:
           f"{1e3 * seconds['jit']:>11.2f} {1e3 * seconds['barriers']:>9.2f} "
           f"{1e3 * seconds['jlms']:>9.2f} {row['barrier_overhead']:>+9.1%} "
           f"{row['jlms_overhead']:>+7.1%}")
-  if options.json:
-    with open(options.json, "w") as f:
-      json.dump(rows, f, indent=2)
+  write_json(options.json, rows)
   return rows
 
 

@@ -17,13 +17,13 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
-import json
 import time
 
 import jax
 
 import jlms
 from benchmarks import models
+from benchmarks._output import write_json
 
 MIB = 1 << 20
 
@@ -112,9 +112,7 @@ def main(argv=None) -> dict:
           f"{r['predicted_mib']:>8.0f} {r['xla_mib']:>8.0f} "
           f"{r['search_seconds']:>8.2f} {r['seconds']:>8.1f}")
   result = {"errors": errors, "budgets": budgets}
-  if options.json:
-    with open(options.json, "w") as f:
-      json.dump(result, f, indent=2)
+  write_json(options.json, result)
   return result
 
 

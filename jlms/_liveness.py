@@ -78,3 +78,16 @@ def live_bytes_by_equation(liveness: Liveness) -> np.ndarray:
     delta[start] += size
     delta[min(stop, n) + 1] -= size
   return np.cumsum(delta)[: n + 1]
+
+
+def largest_equation(program: Program, liveness: Liveness) -> tuple[int, int]:
+  """(index, bytes of inputs and outputs) of the equation touching the most
+  bytes; (-1, 0) for an empty program."""
+  best_index, best_bytes = -1, 0
+  for index, equation in enumerate(program.equations):
+    touched = {a for a in equation.inputs if isinstance(a, int)}
+    touched.update(equation.outputs)
+    size = sum(liveness.nbytes[v] for v in touched)
+    if size > best_bytes:
+      best_index, best_bytes = index, size
+  return best_index, best_bytes

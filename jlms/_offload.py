@@ -25,15 +25,14 @@ import jax
 
 from jlms import _compat
 from jlms._config import OffloadConfig, SyncMode
-from jlms._liveness import analyse
+from jlms._liveness import analyse, largest_equation
 from jlms._plan import Plan, build_plan
 from jlms._planner import Offload, plan_offloads
 from jlms._program import Program, flatten
 from jlms._rewrite import rewrite
 from jlms._simulator import analyse_fusion, simulate
 from jlms._plan import format_bytes
-from jlms._tuner import (BudgetError, Tuning, largest_equation, parse_budget,
-                         tune)
+from jlms._tuner import BudgetError, Tuning, parse_budget, tune
 from jlms._xla_memory import target_memory_bytes, xla_memory
 
 _CACHE_SIZE = 32

@@ -14,7 +14,7 @@ import numpy as np
 
 from jlms import _compat
 from jlms._config import OffloadConfig
-from jlms._liveness import Liveness
+from jlms._liveness import Liveness, largest_equation
 from jlms._planner import Offload
 from jlms._program import Program
 from jlms._simulator import MemoryTimeline
@@ -168,7 +168,6 @@ def build_plan(program: Program, liveness: Liveness,
                timeline: MemoryTimeline | None = None, **extra) -> Plan:
   """The plan of `offloads`; `extra` sets the budget, tuning and XLA
   fields."""
-  from jlms._tuner import largest_equation
   largest_index, largest_bytes = largest_equation(program, liveness)
   largest_name = (program.equations[largest_index].readable_name()
                   if largest_index >= 0 else "none")

@@ -28,7 +28,7 @@ import dataclasses
 import numpy as np
 
 from jlms import _compat
-from jlms._liveness import Liveness
+from jlms._liveness import Liveness, aval_nbytes
 from jlms._planner import Offload
 from jlms._program import Program
 
@@ -113,6 +113,12 @@ def analyse_fusion(program: Program, liveness: Liveness,
   return Fusion(materialized, last_read, executes_at)
 
 
+def _swap_in_end(swap_in, executes_at) -> int:
+  """Where a swapped-in copy dies: where its last read really runs."""
+  n = len(executes_at)
+  return max(int(executes_at[r]) if r < n else n for r in swap_in.reads)
+
+
 def _swapped_out_at(value, offload, liveness, executes_at) -> int:
   """Where the device copy of an offloaded value dies: after the swap-out,
   or later if a read before the swap-out is fused into a later equation."""
@@ -159,13 +165,8 @@ def fixed_bytes(program: Program, liveness: Liveness) -> int:
       seen.add(atom)
       total += liveness.nbytes[atom]
     else:
-      total += _compat_nbytes(atom)
+      total += aval_nbytes(_compat.abstractify(atom.value))  # a constant
   return total
-
-
-def _compat_nbytes(const) -> int:
-  from jlms._liveness import aval_nbytes
-  return aval_nbytes(_compat.abstractify(const.value))
 
 
 def simulate(program: Program, liveness: Liveness,
@@ -206,9 +207,8 @@ def simulate(program: Program, liveness: Liveness,
       device[start[value]] += size
       device[_swapped_out_at(value, offload, liveness, executes_at) + 1] -= size
       for swap_in in offload.swap_ins:
-        end = max(int(executes_at[r]) if r < n else n for r in swap_in.reads)
         device[swap_in.issue_before] += size
-        device[end + 1] -= size
+        device[_swap_in_end(swap_in, executes_at) + 1] -= size
     host[offload.swap_out_after] += size
     host[offload.swap_ins[-1].issue_before + 1] -= size
 
@@ -218,11 +218,11 @@ def simulate(program: Program, liveness: Liveness,
   peak_index = int(np.argmax(device_bytes))
   return MemoryTimeline(device_bytes, host_bytes, fixed, peak_index,
                         _live_at(peak_index, values, start, stop, nbytes,
-                                 offload_of, executes_at, n, liveness))
+                                 offload_of, executes_at, liveness))
 
 
 def _live_at(index, values, start, stop, nbytes, offload_of, executes_at,
-             n, liveness) -> tuple[int, ...]:
+             liveness) -> tuple[int, ...]:
   live = [int(v) for v in values if start[v] <= index <= stop[v]]
   for value, offload in offload_of.items():
     if start[value] <= index <= _swapped_out_at(value, offload, liveness,
@@ -230,8 +230,7 @@ def _live_at(index, values, start, stop, nbytes, offload_of, executes_at,
       live.append(value)
       continue
     for swap_in in offload.swap_ins:
-      end = max(int(executes_at[r]) if r < n else n for r in swap_in.reads)
-      if swap_in.issue_before <= index <= end:
+      if swap_in.issue_before <= index <= _swap_in_end(swap_in, executes_at):
         live.append(value)
         break
   return tuple(sorted(live, key=lambda v: -int(nbytes[v])))

@@ -2,8 +2,8 @@
 
 `tune` searches the offload knobs with the simulator, as TFLMSv2's
 auto-tuner did: for each size floor (`min_bytes`, from the sizes of the
-values that could move) it bisects `swapout_threshold` for the largest one
-whose predicted peak fits the budget, since a larger threshold and a larger
+values that could move) it bisects `swapout_threshold`, to within a few
+percent, for the largest one whose predicted peak fits the budget, since a larger threshold and a larger
 floor both move fewer bytes. Among the settings that fit it keeps the one
 with the least host traffic. It never compiles: `jlms.offload` confirms the
 choice with XLA and calls `tune` again with a tighter budget if XLA
@@ -35,7 +35,8 @@ from jlms._simulator import Fusion, MemoryTimeline, analyse_fusion, simulate
 log = logging.getLogger("jlms")
 
 _MAX_SIZE_FLOORS = 6
-_REFINEMENTS = 5  # bisection steps between two halving thresholds
+_THRESHOLD_RESOLUTION = 32  # bisection stops within 1/32 of the threshold
+_STEPS_PER_FLOOR = 10  # about how many settings one size floor takes
 _PROGRESS_AFTER_SECONDS = 2.0
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "m": 1e6,
           "mb": 1e6, "mib": 1 << 20, "g": 1e9, "gb": 1e9, "gib": 1 << 30,
@@ -170,16 +171,6 @@ class _Evaluator:
                           frozenset(o.value for o in offloads))
 
 
-def _thresholds(n: int, smallest: int) -> list[int]:
-  """Thresholds from `n` down to `smallest`, halving (largest first)."""
-  values, t = [], max(n, smallest)
-  while t > smallest:
-    values.append(t)
-    t //= 2
-  values.append(smallest)
-  return sorted(set(values), reverse=True)
-
-
 def tune(program: Program, liveness: Liveness, budget_bytes: int,
          base: OffloadConfig, baseline: MemoryTimeline | None = None
          ) -> tuple[Tuning, tuple[Offload, ...]]:
@@ -203,48 +194,36 @@ def tune(program: Program, liveness: Liveness, budget_bytes: int,
     picks = np.linspace(0, len(sizes) - 1, _MAX_SIZE_FLOORS).round()
     sizes = [sizes[int(i)] for i in picks]
   smallest_threshold = max(2, base.prefetch_ahead + 1)
-  thresholds = _thresholds(len(program), smallest_threshold)
-  progress = _Progress(len(sizes) * (2 + _REFINEMENTS + int(np.log2(len(thresholds) + 1))))
+  largest_threshold = max(len(program), smallest_threshold)
+  progress = _Progress(len(sizes) * _STEPS_PER_FLOOR)
 
-  def setting(min_bytes: int, threshold: int) -> OffloadConfig:
-    return dataclasses.replace(base, min_bytes=min_bytes,
-                               swapout_threshold=threshold,
-                               swapin_groupby=None)
+  def fits(min_bytes: int, threshold: int) -> bool:
+    trial = evaluator.evaluate(dataclasses.replace(
+        base, min_bytes=min_bytes, swapout_threshold=threshold,
+        swapin_groupby=None))
+    progress.step()
+    if trial.predicted_peak_bytes <= budget_bytes:
+      fitting.append(trial)
+      return True
+    return False
 
   fitting: list[Trial] = []
   try:
     for min_bytes in sizes:
-      # Bisect for the largest threshold that fits: fewer, later swaps.
-      low, high = 0, len(thresholds) - 1
-      trial = evaluator.evaluate(setting(min_bytes, thresholds[high]))
-      progress.step()
-      if trial.predicted_peak_bytes > budget_bytes:
-        continue  # even the most eager setting at this floor does not fit
-      fitting.append(trial)
-      while high - low > 1:
-        middle = (low + high) // 2
-        trial = evaluator.evaluate(setting(min_bytes, thresholds[middle]))
-        progress.step()
-        if trial.predicted_peak_bytes <= budget_bytes:
-          fitting.append(trial)
-          high = middle
-        else:
-          low = middle
-      if high == 0:
+      # The most eager threshold first: if it does not fit, no larger one
+      # does at this floor.
+      if not fits(min_bytes, smallest_threshold):
         continue
-      # Then between the two neighbouring thresholds, to a few percent.
-      fits, fails = thresholds[high], thresholds[low]
-      for _ in range(_REFINEMENTS):
-        middle = (fits + fails) // 2
-        if middle in (fits, fails):
-          break
-        trial = evaluator.evaluate(setting(min_bytes, middle))
-        progress.step()
-        if trial.predicted_peak_bytes <= budget_bytes:
-          fitting.append(trial)
-          fits = middle
+      # Then bisect for the largest threshold that fits (fewer, later
+      # swaps): by geometric means, since thresholds span orders of
+      # magnitude, until the bracket is a few percent wide.
+      good, bad = smallest_threshold, largest_threshold + 1
+      while bad - good > max(1, good // _THRESHOLD_RESOLUTION):
+        middle = min(bad - 1, max(good + 1, round((good * bad) ** 0.5)))
+        if fits(min_bytes, middle):
+          good = middle
         else:
-          fails = middle
+          bad = middle
   finally:
     progress.close()
 
