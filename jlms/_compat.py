@@ -33,14 +33,23 @@ Primitive = _jex_core.Primitive
 _prims = _jex_core.primitives
 
 #: Call-like primitives whose body is inlined into the flat program: a nested
-#: `jax.jit` (named `jit` from 0.8, `pjit` before) and `closed_call`.
+#: `jax.jit` (named `jit` from 0.8, `pjit` before), `closed_call`, and the
+#: primal calls of `custom_jvp`/`custom_vjp` functions (XLA lowers them as
+#: their `call_jaxpr`; the step is not differentiated again, so their rules
+#: are not needed). `jax.checkpoint` (`remat_p`) is inlined by
+#: `jlms._program` with the barrier its lowering puts on its inputs.
 _JIT_PRIMITIVES = tuple(
     p for p in (getattr(_prims, "jit_p", None), getattr(_prims, "pjit_p", None))
     if p is not None)
 INLINABLE_CALL_PRIMITIVES = frozenset(
-    _JIT_PRIMITIVES + (_prims.closed_call_p, _prims.call_p))
+    _JIT_PRIMITIVES + (_prims.closed_call_p, _prims.call_p,
+                       _prims.custom_jvp_call_p, _prims.custom_vjp_call_p))
+remat_p = _prims.remat_p
 
 device_put_p = _prims.device_put_p
+# Not in `jax.extend` (0.10.2): the one private primitive jlms matches.
+from jax._src.lax.lax import optimization_barrier_p as barrier_p  # noqa: E402
+scan_p = _prims.scan_p
 
 #: Primitives that only re-lay out or re-type their operand. XLA folds them
 #: into their producer or consumer; a barrier between them and their producer
@@ -132,8 +141,21 @@ def jaxpr_parts(closed_or_open) -> tuple[Any, list]:
 def call_body(eqn) -> tuple[Any, list]:
   """The inlinable body (open jaxpr, consts) of a call-like equation."""
   params = eqn.params
-  body = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
+  body = params["call_jaxpr"] if "call_jaxpr" in params else params["jaxpr"]
   return jaxpr_parts(body)
+
+
+def remat_barrier_positions(eqn) -> list[int]:
+  """Inputs of a `jax.checkpoint` equation that its lowering passes through
+  an optimization barrier (so that XLA cannot CSE the recomputation with
+  the forward pass): those with `prevent_cse`, once differentiated."""
+  params = eqn.params
+  if not params.get("differentiated", False):
+    return []
+  prevent_cse = params["prevent_cse"]
+  if isinstance(prevent_cse, bool):
+    prevent_cse = (prevent_cse,) * len(eqn.invars)
+  return [i for i, flag in enumerate(prevent_cse) if flag]
 
 
 def _is_unspecified(sharding) -> bool:
@@ -161,6 +183,17 @@ def new_var(aval):
 
 def new_dropvar(aval):
   return DropVar(aval)
+
+
+def has_plain_layout(aval) -> bool:
+  """An array with a memory layout of its own (not a token or PRNG key)."""
+  dtype = getattr(aval, "dtype", None)
+  return dtype is not None and not is_extended_dtype(dtype)
+
+
+def is_host_aval(aval) -> bool:
+  """Whether `aval` is placed in host memory (pinned or unpinned)."""
+  return getattr(aval, "memory_space", None) == jax.memory.Space.Host
 
 
 def memory_space_aval(aval, space):

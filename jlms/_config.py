@@ -41,12 +41,17 @@ class OffloadConfig:
       gap fetches the value from host again. None: equal to
       `swapout_threshold`.
     sync_mode: a `SyncMode` (or its int value).
+    scan_residuals: the residuals a scan stacks for a later scan (the
+      layers of `nn.scan`, `jax.lax.scan`, `fori_loop`) go to host one slice
+      per iteration inside the loops, rather than whole at the top level
+      (see `jlms._loops`); same `min_bytes` and `swapout_threshold` rules.
   """
   min_bytes: int = 1 << 20
   swapout_threshold: int = 20
   prefetch_ahead: int = 2
   swapin_groupby: int | None = None
   sync_mode: SyncMode = SyncMode.SWAP_OUT
+  scan_residuals: bool = True
 
   def __post_init__(self):
     for name in ("min_bytes", "swapout_threshold", "prefetch_ahead"):
@@ -60,6 +65,9 @@ class OffloadConfig:
     if self.sync_mode not in (0, 1, 2, 3) or isinstance(self.sync_mode, bool):
       raise ValueError(f"jlms: sync_mode must be 0, 1, 2 or 3, got "
                        f"{self.sync_mode!r}")
+    if not isinstance(self.scan_residuals, bool):
+      raise ValueError("jlms: scan_residuals must be True or False, got "
+                       f"{self.scan_residuals!r}")
     object.__setattr__(self, "sync_mode", SyncMode(self.sync_mode))
 
   @property

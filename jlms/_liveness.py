@@ -6,8 +6,10 @@ Guarantees: `Liveness.uses[i]` lists, in increasing order and without repeats,
 the indices of the equations that read id `i`; a value that is an output of
 the program is also read at index `len(program)` (the end of the step).
 `producer[i]` is the index of the equation that makes `i`, or -1 for the
-program's inputs. `nbytes[i]` is the device size of id `i`, 0 for values
-without a plain memory layout (tokens, PRNG key arrays).
+program's inputs. `nbytes[i]` is the device size of id `i` (one device's
+shard of a value with an explicit sharding, see `jlms._sharding`), 0 for values
+without a plain memory layout (tokens, PRNG key arrays) and for values the
+program places in host memory.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 
 from jlms import _compat
 from jlms._program import Program
+from jlms._sharding import device_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,11 +36,14 @@ class Liveness:
 
 
 def aval_nbytes(aval) -> int:
-  """Bytes of one array of abstract value `aval` (0 when it has no layout)."""
+  """Bytes one device holds of an array of abstract value `aval`: its shard
+  when the aval carries an explicit sharding, else the whole array (0 when
+  it has no layout)."""
   shape = getattr(aval, "shape", None)
   dtype = getattr(aval, "dtype", None)
   if shape is None or dtype is None or _compat.is_extended_dtype(dtype):
     return 0
+  shape = device_shape(aval)
   return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
@@ -58,7 +64,8 @@ def analyse(program: Program) -> Liveness:
   return Liveness(
       producer=tuple(producer),
       uses=tuple(tuple(u) for u in uses),
-      nbytes=tuple(aval_nbytes(a) for a in program.avals),
+      nbytes=tuple(0 if _compat.is_host_aval(a) else aval_nbytes(a)
+                   for a in program.avals),
       end=end,
   )
 

@@ -26,6 +26,7 @@ import jax
 from jlms import _compat
 from jlms._config import OffloadConfig, SyncMode
 from jlms._liveness import analyse, largest_equation
+from jlms._loops import find_scan_residuals, offload_scan_residuals
 from jlms._plan import Plan, build_plan
 from jlms._planner import Offload, plan_offloads
 from jlms._program import Program, flatten
@@ -189,9 +190,17 @@ class OffloadedStep:
                  "static_argnums/static_argnames).")
       raise
     jit_params, debug_info = _compat.call_template(closed)
-    program = flatten(closed)
+    plain_program = flatten(closed)
+    plain_liveness = analyse(plain_program)
+    baseline = simulate(plain_program, plain_liveness)
+    # Scan residuals go to host slice by slice inside the loops; the
+    # top-level offloads are then planned around what is left.
+    residuals = ()
+    if self.config.scan_residuals:
+      residuals = find_scan_residuals(plain_program, plain_liveness,
+                                      self.config)
+    program = offload_scan_residuals(plain_program, residuals)
     liveness = analyse(program)
-    baseline = simulate(program, liveness)
     if self.budget is None:
       unforced = analyse_fusion(program, liveness)
       offloads = plan_offloads(program, liveness, self.config,
@@ -202,11 +211,17 @@ class OffloadedStep:
       config = self.config
     else:
       offloads, rewritten, config, extra = self._fit_budget(
-          program, liveness, baseline, jit_params, debug_info)
+          program, liveness, baseline, jit_params, debug_info, plain_program,
+          plain_liveness)
+      if extra["tuning"].chosen is None and not offloads:
+        # It fits as it is: the plain program runs, scans untouched.
+        program, liveness, residuals = plain_program, plain_liveness, ()
+        rewritten = self._rewrite(program, liveness, (), config, debug_info)
     timeline = simulate(program, liveness, offloads)
     analysis = _Analysis(
         program, offloads,
         build_plan(program, liveness, offloads, config, baseline, timeline,
+                   residuals=residuals,
                    **extra),
         out_trees[-1], rewritten, jit_params)
     self._analyses[key] = analysis
@@ -234,9 +249,12 @@ class OffloadedStep:
     return xla_memory(jax.jit(program_fn), *abstract,
                       target=target).peak_bytes
 
-  def _fit_budget(self, program, liveness, baseline, jit_params, debug_info):
+  def _fit_budget(self, program, liveness, baseline, jit_params, debug_info,
+                  plain_program, plain_liveness):
     """Tune for the budget with the simulator, then confirm with XLA,
-    tightening the simulator's budget while XLA's peak does not fit."""
+    tightening the simulator's budget while XLA's peak does not fit.
+    `plain_program` is the step before its scan residuals were moved to
+    host: what runs if the step fits as it is."""
     target = self._confirm_target()
     budget = parse_budget(
         self.budget, lambda: target_memory_bytes(target or "local"))
@@ -255,7 +273,8 @@ class OffloadedStep:
     if target is not None and baseline.peak_bytes > budget:
       # The simulator can overstate jax.jit's peak too: ask XLA before
       # offloading a step that already fits.
-      plain = self._rewrite(program, liveness, (), self.config, debug_info)
+      plain = self._rewrite(plain_program, plain_liveness, (), self.config,
+                            debug_info)
       plain_peak = self._xla_peak(jit_params, plain, abstract, target)
       log.info("jlms: XLA's peak on %s without offloading: %s", target,
                format_bytes(plain_peak))
@@ -333,6 +352,7 @@ def offload(fun: Callable | None = None, *,
             prefetch_ahead: int = OffloadConfig.prefetch_ahead,
             swapin_groupby: int | None = OffloadConfig.swapin_groupby,
             sync_mode: int | SyncMode = OffloadConfig.sync_mode,
+            scan_residuals: bool = OffloadConfig.scan_residuals,
             static_argnums: int | Sequence[int] = (),
             static_argnames: str | Sequence[str] = (),
             donate_argnums: int | Sequence[int] = (),
@@ -361,6 +381,11 @@ def offload(fun: Callable | None = None, *,
       back; None (default) means `swapout_threshold`.
     sync_mode: 0 overlap everything, 1 (default) compute waits for each
       swap-out, 2 it waits for each swap-in, 3 both (see `jlms.SyncMode`).
+    scan_residuals: True (default): what a scan (`nn.scan`, `lax.scan`,
+      `fori_loop`) stacks for the backward scan goes to host one layer's
+      slice per iteration, so device memory stays flat in the number of
+      scanned layers. False: such stacks are offloaded whole, like any
+      other value.
     static_argnums, static_argnames, donate_argnums, donate_argnames: as in
       `jax.jit`.
     verify: check with XLA, on the first call of each signature, that the
@@ -386,7 +411,8 @@ def offload(fun: Callable | None = None, *,
   config = OffloadConfig(min_bytes=min_bytes,
                          swapout_threshold=swapout_threshold,
                          prefetch_ahead=prefetch_ahead,
-                         swapin_groupby=swapin_groupby, sync_mode=sync_mode)
+                         swapin_groupby=swapin_groupby, sync_mode=sync_mode,
+                         scan_residuals=scan_residuals)
   jit_options = dict(static_argnums=static_argnums,
                      static_argnames=static_argnames,
                      donate_argnums=donate_argnums,

@@ -14,7 +14,8 @@ import numpy as np
 
 from jlms import _compat
 from jlms._config import OffloadConfig
-from jlms._liveness import Liveness, largest_equation
+from jlms._liveness import Liveness, aval_nbytes, largest_equation
+from jlms._loops import ScanResidual
 from jlms._planner import Offload
 from jlms._program import Program
 from jlms._simulator import MemoryTimeline
@@ -46,6 +47,10 @@ class OffloadedValue:
   swapped_out_after: int
   prefetched_before: tuple[int, ...]  # one entry per swap-in
   used_at: tuple[int, ...]  # the reads served from host copies
+  # A scan's stacked residual, moved one slice per iteration inside the
+  # loops (`produced_at` and `swapped_out_after` are then the forward scan,
+  # `prefetched_before` the scans that read it back).
+  streamed: bool = False
 
   @property
   def swap_ins(self) -> int:
@@ -135,6 +140,12 @@ class Plan:
         f"{sum(v.swap_ins for v in self.offloaded)} swap-ins "
         f"({format_bytes(self.prefetched_bytes)})",
     ]
+    streamed = [v for v in self.offloaded if v.streamed]
+    if streamed:
+      lines.append(
+          f"jlms: {len(streamed)} of them are scan residuals "
+          f"({format_bytes(sum(v.nbytes for v in streamed))}), moved one "
+          "slice per iteration inside the loops (marked *)")
     if self.baseline is not None and self.timeline is not None:
       lines.append(
           f"jlms: predicted device peak {format_bytes(self.baseline_peak_bytes)}"
@@ -154,7 +165,8 @@ class Plan:
       for v in shown:
         shape = f"{np.dtype(v.dtype).name}{list(v.shape)}"
         ins = ",".join(str(i) for i in v.prefetched_before)
-        lines.append(f"  {v.name[-48:]:<48} {shape[:22]:<22} "
+        name = ("*" if v.streamed else "") + v.name
+        lines.append(f"  {name[-48:]:<48} {shape[:22]:<22} "
                      f"{format_bytes(v.nbytes):>11} {v.produced_at:>6} "
                      f"{v.swapped_out_after:>6} {ins[:14]:>14}")
       if len(self.offloaded) > len(shown):
@@ -165,9 +177,10 @@ class Plan:
 def build_plan(program: Program, liveness: Liveness,
                offloads: tuple[Offload, ...], config: OffloadConfig,
                baseline: MemoryTimeline | None = None,
-               timeline: MemoryTimeline | None = None, **extra) -> Plan:
-  """The plan of `offloads`; `extra` sets the budget, tuning and XLA
-  fields."""
+               timeline: MemoryTimeline | None = None,
+               residuals: tuple[ScanResidual, ...] = (), **extra) -> Plan:
+  """The plan of `offloads` and of the scan `residuals` streamed through
+  host; `extra` sets the budget, tuning and XLA fields."""
   largest_index, largest_bytes = largest_equation(program, liveness)
   largest_name = (program.equations[largest_index].readable_name()
                   if largest_index >= 0 else "none")
@@ -185,6 +198,21 @@ def build_plan(program: Program, liveness: Liveness,
         swapped_out_after=offload.swap_out_after,
         prefetched_before=tuple(s.issue_before for s in offload.swap_ins),
         used_at=tuple(r for s in offload.swap_ins for r in s.reads),
+    ))
+  for residual in residuals:
+    aval = program.avals[residual.value]
+    producer = program.equations[residual.producer]
+    values.append(OffloadedValue(
+        name=producer.readable_name(),
+        source=_compat.user_frame_summary(producer.eqn.source_info),
+        shape=tuple(aval.shape),
+        dtype=np.dtype(aval.dtype),
+        nbytes=aval_nbytes(aval),
+        produced_at=residual.producer,
+        swapped_out_after=residual.producer,
+        prefetched_before=residual.readers,
+        used_at=residual.readers,
+        streamed=True,
     ))
   return Plan(
       config=config,

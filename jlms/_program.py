@@ -1,11 +1,13 @@
 """A train step as one flat, numbered list of equations.
 
-`flatten` turns a closed jaxpr into a `Program`: nested `jax.jit` and
-`closed_call` bodies are inlined (their equations become top-level ones, with
-the caller's name stack in front of theirs), every value gets an integer id,
-and literals and constants become `Const` atoms. Higher-order primitives that
-are not plain calls (scan, while, cond, remat, custom_jvp/vjp, ...) stay single
-equations with their sub-jaxprs untouched.
+`flatten` turns a closed jaxpr into a `Program`: nested `jax.jit`,
+`closed_call`, `custom_jvp`/`custom_vjp` and `jax.checkpoint` bodies are
+inlined (their equations become top-level ones, with the caller's name stack
+in front of theirs; a differentiated checkpoint's inputs first go through the
+optimization barrier its own lowering would emit, so XLA still cannot merge
+the recomputation into the forward pass), every value gets an integer id,
+and literals and constants become `Const` atoms. Loops and branches (scan,
+while, cond) stay single equations with their sub-jaxprs untouched.
 
 Guarantees: the equations, in order, compute exactly what the jaxpr
 computes; `Program.avals[i]` is the abstract
@@ -83,6 +85,13 @@ def flatten(closed_jaxpr, inline_calls: bool = True) -> Program:
     for eqn in jaxpr.eqns:
       inputs = [read(env, v) for v in eqn.invars]
       stack = name_stack + eqn.source_info.name_stack
+      if inline_calls and eqn.primitive is _compat.remat_p:
+        inputs = _barrier_remat_inputs(eqn, inputs, stack, new_id, equations)
+        results = walk(eqn.params["jaxpr"], [], inputs,
+                       _compat.extend_name_stack(stack, "checkpoint"))
+        for var, result in zip(eqn.outvars, results):
+          env[var] = result
+        continue
       if inline_calls and _is_inlinable(eqn):
         body, body_consts = _compat.call_body(eqn)
         inner_stack = stack
@@ -103,6 +112,27 @@ def flatten(closed_jaxpr, inline_calls: bool = True) -> Program:
   invars = tuple(new_id(v.aval) for v in jaxpr.invars)
   outvars = walk(jaxpr, consts, list(invars), _compat.empty_name_stack())
   return Program(invars, tuple(outvars), tuple(equations), tuple(avals))
+
+
+def _barrier_remat_inputs(eqn, inputs, stack, new_id, equations) -> list:
+  """`inputs` of checkpoint `eqn`, the CSE-protected ones replaced by the
+  outputs of one optimization barrier appended to `equations`."""
+  positions = [i for i in _compat.remat_barrier_positions(eqn)
+               if isinstance(inputs[i], int)
+               and _compat.has_plain_layout(eqn.invars[i].aval)]
+  if not positions:
+    return list(inputs)
+  avals = [eqn.invars[i].aval for i in positions]
+  outputs = tuple(new_id(aval) for aval in avals)
+  template = _compat.barrier_equation(
+      [_compat.new_var(a) for a in avals], [_compat.new_var(a) for a in avals],
+      eqn, "checkpoint")
+  equations.append(Equation(template, tuple(inputs[i] for i in positions),
+                            outputs, stack))
+  inputs = list(inputs)
+  for i, out in zip(positions, outputs):
+    inputs[i] = out
+  return inputs
 
 
 def _is_inlinable(eqn) -> bool:

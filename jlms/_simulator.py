@@ -14,6 +14,12 @@ auto-tuner can call `simulate` many times in a second. Its error against
 XLA's own buffer assignment is measured by the benchmarks
 (`python -m benchmarks.simulator_error`) and asserted by the tests.
 
+A loop, branch or rematerialised call is one equation of the flat program;
+while it runs, its body's own temporaries (simulated the same way, once per
+distinct body) are added to that equation. Values the program itself places
+in host memory (the scan stacks of `jlms._loops`) count on host from their
+producer to their last read.
+
 Guarantees: `MemoryTimeline.device_bytes[i]` counts every buffer that exists
 while equation `i` runs (index `len(program)` stands for the step's end);
 `peak_bytes` is its maximum; an offloaded value counts on the device only up
@@ -28,9 +34,9 @@ import dataclasses
 import numpy as np
 
 from jlms import _compat
-from jlms._liveness import Liveness, aval_nbytes
+from jlms._liveness import Liveness, analyse, aval_nbytes
 from jlms._planner import Offload
-from jlms._program import Program
+from jlms._program import Program, flatten
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +65,12 @@ def analyse_fusion(program: Program, liveness: Liveness,
   fusible = np.zeros(n, dtype=bool)
   takes_fused = np.zeros(n, dtype=bool)
   expensive = np.zeros(n, dtype=bool)
+  # An optimization barrier (one `jax.checkpoint` puts on its inputs) makes
+  # no buffer: its outputs are its inputs, alive until their last read.
+  aliasing = np.zeros(n, dtype=bool)
   for index, equation in enumerate(equations):
     primitive = equation.primitive
+    aliasing[index] = primitive is _compat.barrier_p
     fusible[index] = _compat.is_fusible_equation(equation.eqn)
     takes_fused[index] = fusible[index] or (
         primitive in _compat.REDUCTION_PRIMITIVES)
@@ -69,6 +79,9 @@ def analyse_fusion(program: Program, liveness: Liveness,
   materialized = np.ones(n_values, dtype=bool)
   for value in range(n_values):
     made_by = producer[value]
+    if made_by >= 0 and aliasing[made_by] and value not in forced:
+      materialized[value] = False  # the input's buffer, under another name
+      continue
     if made_by < 0 or not fusible[made_by] or value in forced:
       continue
     reads = uses[value]
@@ -212,13 +225,44 @@ def simulate(program: Program, liveness: Liveness,
     host[offload.swap_out_after] += size
     host[offload.swap_ins[-1].issue_before + 1] -= size
 
+  for value, aval in enumerate(program.avals):
+    if _compat.is_host_aval(aval) and liveness.uses[value]:
+      size = aval_nbytes(aval)
+      host[max(start[value], 0)] += size
+      host[min(liveness.uses[value][-1], n) + 1] -= size
+
   fixed = fixed_bytes(program, liveness)
   device_bytes = np.cumsum(device)[: n + 1] + fixed
+  device_bytes[:n] += body_working_bytes(program)
   host_bytes = np.cumsum(host)[: n + 1]
   peak_index = int(np.argmax(device_bytes))
   return MemoryTimeline(device_bytes, host_bytes, fixed, peak_index,
                         _live_at(peak_index, values, start, stop, nbytes,
                                  offload_of, executes_at, liveness))
+
+
+def body_working_bytes(program: Program) -> np.ndarray:
+  """Per equation, the device bytes its sub-jaxprs (loop bodies, branches,
+  rematerialised calls) need of their own while it runs: the largest
+  temporaries-plus-results of any of its bodies. 0 for plain equations."""
+  working = np.zeros(len(program), dtype=np.int64)
+  cache: dict[int, int] = {}
+  for index, equation in enumerate(program.equations):
+    if _compat.is_fusible_equation(equation.eqn):
+      continue
+    for body in _compat.sub_jaxprs(equation.eqn):
+      key = id(body)
+      if key not in cache:
+        # A body's constants are inputs that exist before it runs.
+        inner = flatten(_compat.closed_jaxpr(
+            [], [], list(body.constvars) + list(body.invars), body.outvars,
+            body.eqns, body.debug_info))
+        inner_liveness = analyse(inner)
+        timeline = simulate(inner, inner_liveness)
+        arguments = sum(inner_liveness.nbytes[v] for v in inner.invars)
+        cache[key] = max(timeline.peak_bytes - arguments, 0)
+      working[index] = max(working[index], cache[key])
+  return working
 
 
 def _live_at(index, values, start, stop, nbytes, offload_of, executes_at,

@@ -39,13 +39,19 @@ def test_elementwise_chains_are_fused_into_their_reader():
   assert fusion.executes_at[liveness.producer[mul]] == liveness.producer[tanh]
 
 
-def test_relu_is_fusible_through_its_custom_jvp_call():
+def test_relu_is_fusible_inlined_or_through_its_custom_jvp_call():
   x = jnp.ones((64, 64))
-  program, liveness = _program(lambda a: jax.nn.relu(a).sum(), x)
-  fusion = analyse_fusion(program, liveness)
-  relu_output = program.equations[0].outputs[0]
+  relu_sum = lambda a: jax.nn.relu(a).sum()
+  program, liveness = _program(relu_sum, x)
+  assert program.equations[0].primitive.name == "max"  # inlined
+  assert not analyse_fusion(program, liveness).materialized[
+      program.equations[0].outputs[0]]
+  # Kept as a call (inlining off), it is as fusible as its body.
+  program = flatten(jax.make_jaxpr(relu_sum)(x), inline_calls=False)
+  liveness = analyse(program)
   assert program.equations[0].primitive.name == "custom_jvp_call"
-  assert not fusion.materialized[relu_output]
+  assert not analyse_fusion(program, liveness).materialized[
+      program.equations[0].outputs[0]]
 
 
 def test_a_fused_read_keeps_its_input_alive_until_the_fused_work_runs():

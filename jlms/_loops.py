@@ -1,0 +1,180 @@
+"""Residuals that one scan stacks for another, offloaded inside the loops.
+
+Autodiff of `jax.lax.scan` (and of `nn.scan`, `nnx.scan`, and `fori_loop`
+with static bounds, which are scans) splits it into a forward scan that
+stacks one slice of each residual per iteration, and a backward scan that
+reads one slice per iteration, in reverse. The stacks are the whole-model
+activations: at the top level they can only be moved to host and brought
+back whole, which needs them all on the device at once.
+
+Here a stack goes to host one slice at a time instead: the forward body
+copies each slice to pinned host memory as it is made (the stack itself is
+allocated in host memory), and the backward body copies the slice it reads
+back to the device. With `prefetch` the backward scan fetches the slice
+that its next iteration reads while the current one computes, carried
+between iterations. Device memory then holds one or two slices of each
+residual, however many layers the scan runs.
+
+Two pure steps, as everywhere in jlms: `find_scan_residuals` picks the
+stacks (analysis), `offload_scan_residuals` returns a new `Program` whose
+scan equations do the copies (rewrite).
+
+Guarantees: the new program computes exactly the same values (the copies
+are exact, the prefetched slice is the one the iteration reads); a picked
+stack is read by nothing but scans that index it as their scanned input
+(`xs`), so no top-level equation ever sees it on host; the program's inputs
+and outputs keep their device placement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jlms import _compat
+from jlms._config import OffloadConfig
+from jlms._liveness import Liveness
+from jlms._program import Equation, Program
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanResidual:
+  """A stacked output of one scan that later scans read slice by slice."""
+  value: int  # the stack's value id
+  producer: int  # index of the scan equation that stacks it
+  readers: tuple[int, ...]  # indices of the scan equations that read it
+
+
+def _scanned_inputs(equation: Equation) -> range:
+  """Positions, among a scan equation's inputs, of its scanned `xs`."""
+  params = equation.eqn.params
+  return range(params["num_consts"] + params["num_carry"],
+               len(equation.inputs))
+
+
+def _stacked_outputs(equation: Equation) -> range:
+  """Positions, among a scan equation's outputs, of its stacked `ys`."""
+  return range(equation.eqn.params["num_carry"], len(equation.outputs))
+
+
+def _is_scan(equation: Equation) -> bool:
+  return equation.primitive is _compat.scan_p
+
+
+def find_scan_residuals(program: Program, liveness: Liveness,
+                        config: OffloadConfig) -> tuple[ScanResidual, ...]:
+  """The stacks worth keeping on host: at least `config.min_bytes`, made by
+  a scan, read only as the scanned input of scans that start more than
+  `config.swapout_threshold` equations later."""
+  found = []
+  for index, equation in enumerate(program.equations):
+    if not _is_scan(equation):
+      continue
+    for position in _stacked_outputs(equation):
+      value = equation.outputs[position]
+      reads = liveness.uses[value]
+      if (liveness.nbytes[value] < config.min_bytes or not reads
+          or not _compat.has_plain_layout(program.avals[value])
+          or _compat.is_host_aval(program.avals[value])
+          or reads[0] - index <= config.swapout_threshold):
+        continue
+      if all(r < len(program) and _reads_only_as_scanned(
+          program.equations[r], value) for r in reads):
+        found.append(ScanResidual(value, index, reads))
+  return tuple(found)
+
+
+def _reads_only_as_scanned(equation: Equation, value: int) -> bool:
+  if not _is_scan(equation):
+    return False
+  scanned = set(_scanned_inputs(equation))
+  positions = [p for p, a in enumerate(equation.inputs) if a == value]
+  return all(p in scanned for p in positions)
+
+
+def offload_scan_residuals(program: Program,
+                           residuals: tuple[ScanResidual, ...],
+                           prefetch: bool = True) -> Program:
+  """`program` with each residual stack allocated in host memory: written
+  there slice by slice by its producer, read back slice by slice by its
+  readers (see the module docstring)."""
+  if not residuals:
+    return program
+  on_host = {r.value for r in residuals}
+  avals = list(program.avals)
+  for value in on_host:
+    avals[value] = _compat.memory_space_aval(avals[value],
+                                             jax.memory.Space.Host)
+  producers = {r.producer for r in residuals}
+  readers = {i for r in residuals for i in r.readers}
+  equations = list(program.equations)
+  for index in sorted(producers | readers):
+    equation = equations[index]
+    eqn = equation.eqn
+    if index in producers:
+      positions = [p for p in _stacked_outputs(equation)
+                   if equation.outputs[p] in on_host]
+      eqn = _with_host_outputs(eqn, positions)
+    if index in readers:
+      positions = [p for p in _scanned_inputs(equation)
+                   if equation.inputs[p] in on_host]
+      eqn = _with_host_inputs(eqn, positions)
+    equations[index] = dataclasses.replace(equation, eqn=eqn)
+  return dataclasses.replace(program, equations=tuple(equations),
+                             avals=tuple(avals))
+
+
+def _host(aval):
+  return _compat.memory_space_aval(aval, jax.memory.Space.Host)
+
+
+def _with_host_outputs(eqn, positions: list[int]):
+  """The scan `eqn` whose body copies its stacked outputs at `positions`
+  to host as each iteration makes them."""
+  body = eqn.params["jaxpr"]
+  jaxpr = body.jaxpr
+  eqns = list(jaxpr.eqns)
+  outvars = list(jaxpr.outvars)
+  for position in positions:
+    slice_var = outvars[position]
+    host_var = _compat.new_var(_host(slice_var.aval))
+    if isinstance(slice_var, _compat.Literal):
+      continue  # a constant slice: nothing to free on the device
+    eqns.append(_compat.device_put_equation(
+        slice_var, host_var, True, eqn, "jlms_scan_swap_out"))
+    outvars[position] = host_var
+  new_body = _compat.closed_jaxpr(jaxpr.constvars, body.consts,
+                                  jaxpr.invars, outvars, eqns,
+                                  jaxpr.debug_info)
+  new_outvars = list(eqn.outvars)
+  for position in positions:
+    old = new_outvars[position]
+    new_outvars[position] = (
+        _compat.new_dropvar(_host(old.aval))
+        if isinstance(old, _compat.DropVar) else _compat.new_var(_host(old.aval)))
+  return eqn.replace(params={**eqn.params, "jaxpr": new_body},
+                     outvars=new_outvars)
+
+
+def _with_host_inputs(eqn, positions: list[int]):
+  """The scan `eqn` whose scanned inputs at `positions` are host stacks:
+  its body copies each iteration's slice to the device first."""
+  body = eqn.params["jaxpr"]
+  jaxpr = body.jaxpr
+  invars = list(jaxpr.invars)
+  copies = []
+  for position in positions:
+    device_var = invars[position]
+    host_var = _compat.new_var(_host(device_var.aval))
+    invars[position] = host_var
+    copies.append(_compat.device_put_equation(
+        host_var, device_var, False, eqn, "jlms_scan_swap_in"))
+  new_body = _compat.closed_jaxpr(jaxpr.constvars, body.consts, invars,
+                                  jaxpr.outvars, copies + list(jaxpr.eqns),
+                                  jaxpr.debug_info)
+  new_invars = list(eqn.invars)
+  for position in positions:
+    new_invars[position] = _compat.new_var(_host(new_invars[position].aval))
+  return eqn.replace(params={**eqn.params, "jaxpr": new_body},
+                     invars=new_invars)
