@@ -9,6 +9,8 @@ from jlms._config import OffloadConfig as OffloadConfig
 from jlms._config import SyncMode as SyncMode
 from jlms._offload import OffloadedStep as OffloadedStep
 from jlms._offload import offload as offload
+from jlms._nnx import OffloadedNnxStep as OffloadedNnxStep
+from jlms._nnx import offload_nnx as offload_nnx
 from jlms._plan import OffloadedValue as OffloadedValue
 from jlms._plan import Plan as Plan
 from jlms._tuner import BudgetError as BudgetError

@@ -57,3 +57,30 @@ def test_tracing_costs_at_most_twice_make_jaxpr():
   cost = trace_cost(repeats=2)
   assert cost["equations"] >= 15_000
   assert cost["ratio"] <= 2.0, cost
+
+
+@pytest.mark.slow
+def test_scanned_gpt_activation_memory_is_flat_in_layers():
+  """GPT decoder, layers under nn.scan (seq 1024, width 512, 8 heads,
+  batch 8, AdamW): the scan residuals stream through host one layer at a
+  time, so what grows with depth is only parameters, Adam's moments and
+  gradients (16 bytes a parameter)."""
+  memories = {}
+  for layers in (12, 24):
+    case = models.gpt_case(layers=layers, width=512, heads=8, seq=1024,
+                           batch=8, scan_layers=True)
+    memories[layers] = _memory(jlms.offload(case.step), case)
+  deep_case = models.gpt_case(layers=24, width=512, heads=8, seq=1024,
+                              batch=8, scan_layers=True)
+  jit_deep = _memory(deep_case.step, deep_case)
+  shallow, deep = memories[12], memories[24]
+  assert jit_deep.peak_bytes >= 25 * 2**30  # about 28 GiB
+  assert deep.peak_bytes <= 6 * 2**30
+  assert deep.peak_bytes <= jit_deep.peak_bytes / 8
+  assert deep.host_bytes >= 20 * 2**30  # the residuals went to host
+  # Temporaries (all but arguments and outputs) do not grow with depth.
+  assert deep.temp_bytes <= 1.15 * shallow.temp_bytes
+  # The peak grows by the state that scales with the parameters, no more.
+  state_growth = (deep.argument_bytes + deep.output_bytes
+                  - shallow.argument_bytes - shallow.output_bytes)
+  assert deep.peak_bytes - shallow.peak_bytes <= state_growth

@@ -26,6 +26,9 @@ CASES = {
     "gpt": lambda: models.gpt_case(layers=2, width=64, heads=2, seq=32,
                                    batch=2, vocab=128,
                                    optimizer=optax.sgd(1e-2, momentum=0.9)),
+    "gpt_scan": lambda: models.gpt_case(layers=3, width=64, heads=2, seq=32,
+                                        batch=2, vocab=128, scan_layers=True,
+                                        optimizer=optax.sgd(1e-2, momentum=0.9)),
     "control_flow": lambda: models.control_flow_case(width=64, batch=16),
 }
 
