@@ -185,6 +185,11 @@ def new_dropvar(aval):
   return DropVar(aval)
 
 
+def eval_jaxpr(jaxpr, consts, *args) -> list:
+  """Evaluates (or, under a trace, stages) an open jaxpr on `args`."""
+  return jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+
 def has_plain_layout(aval) -> bool:
   """An array with a memory layout of its own (not a token or PRNG key)."""
   dtype = getattr(aval, "dtype", None)

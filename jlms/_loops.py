@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from jlms import _compat
 from jlms._config import OffloadConfig
@@ -98,7 +99,8 @@ def offload_scan_residuals(program: Program,
                            prefetch: bool = True) -> Program:
   """`program` with each residual stack allocated in host memory: written
   there slice by slice by its producer, read back slice by slice by its
-  readers (see the module docstring)."""
+  readers, each a loop iteration ahead with `prefetch` (see the module
+  docstring)."""
   if not residuals:
     return program
   on_host = {r.value for r in residuals}
@@ -119,7 +121,10 @@ def offload_scan_residuals(program: Program,
     if index in readers:
       positions = [p for p in _scanned_inputs(equation)
                    if equation.inputs[p] in on_host]
-      eqn = _with_host_inputs(eqn, positions)
+      if prefetch:
+        eqn = _prefetching_reader(eqn, positions)
+      else:
+        eqn = _with_host_inputs(eqn, positions)
     equations[index] = dataclasses.replace(equation, eqn=eqn)
   return dataclasses.replace(program, equations=tuple(equations),
                              avals=tuple(avals))
@@ -178,3 +183,80 @@ def _with_host_inputs(eqn, positions: list[int]):
     new_invars[position] = _compat.new_var(_host(new_invars[position].aval))
   return eqn.replace(params={**eqn.params, "jaxpr": new_body},
                      invars=new_invars)
+
+
+def _prefetching_reader(eqn, positions: list[int]):
+  """The scan `eqn`, whose scanned inputs at `positions` become host
+  stacks, as a call of a new scan that fetches those slices one iteration
+  ahead: the slices for iteration `i + 1` are copied to the device while
+  iteration `i` computes, carried into the next iteration.
+
+  The call's body is traced from Python (public `jax.lax.scan`,
+  `dynamic_index_in_dim`, `device_put`) rather than assembled by hand; the
+  stacks enter it as device values copied to host at its start, and those
+  copies are then cut off, so that the call takes the host stacks as its
+  inputs.
+  """
+  params = eqn.params
+  num_consts, num_carry = params["num_consts"], params["num_carry"]
+  length, reverse = params["length"], params["reverse"]
+  body = params["jaxpr"]
+  host_positions = set(positions)
+  scanned = range(num_consts + num_carry, len(eqn.invars))
+  others = [p for p in scanned if p not in host_positions]
+
+  def fetch(stacks, iteration):
+    index = length - 1 - iteration if reverse else iteration
+    index = jnp.clip(index, 0, length - 1)
+    return [jax.device_put(
+        jax.lax.dynamic_index_in_dim(stack, index, keepdims=False),
+        jax.memory.Space.Device) for stack in stacks]
+
+  def call(*args):
+    args = list(args)
+    for p in positions:  # cut off below: the call's inputs are on host
+      args[p] = jax.device_put(args[p], jax.memory.Space.Host)
+    consts = args[:num_consts]
+    carry = args[num_consts:num_consts + num_carry]
+    stacks = [args[p] for p in positions]
+
+    def iteration(state, other_slices):
+      carry, count, fetched = state
+      slices = dict(zip(positions, fetched))
+      slices.update(zip(others, other_slices))
+      outs = _compat.eval_jaxpr(body.jaxpr, body.consts, *consts, *carry,
+                                *(slices[p] for p in scanned))
+      next_state = (outs[:num_carry], count + 1, fetch(stacks, count + 1))
+      return next_state, outs[num_carry:]
+
+    start = (carry, jnp.int32(0), fetch(stacks, 0))
+    (carry, _, _), ys = jax.lax.scan(
+        iteration, start, [args[p] for p in others], length=length,
+        reverse=reverse)
+    return [*carry, *ys]
+
+  device_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                  for v in eqn.invars]
+  traced = jax.make_jaxpr(jax.jit(call))(*device_avals)
+  outer = traced.jaxpr.eqns[0]
+  inner = outer.params["jaxpr"]
+  jaxpr = inner.jaxpr
+  cut = {}
+  for candidate in jaxpr.eqns:
+    if (_compat.is_device_put(candidate) and candidate.invars[0] in
+        [jaxpr.invars[p] for p in positions] and candidate.invars[0] not in
+        cut):
+      cut[candidate.invars[0]] = candidate
+  invars = [cut[v].outvars[0] if v in cut else v for v in jaxpr.invars]
+  cut_ids = {id(e) for e in cut.values()}
+  eqns = [e for e in jaxpr.eqns if id(e) not in cut_ids]
+  new_inner = _compat.closed_jaxpr(jaxpr.constvars, inner.consts, invars,
+                                   jaxpr.outvars, eqns, jaxpr.debug_info)
+  new_invars = list(eqn.invars)
+  for position in positions:
+    new_invars[position] = _compat.new_var(_host(new_invars[position].aval))
+  return outer.replace(
+      params={**outer.params, "jaxpr": new_inner,
+              "name": "jlms_prefetching_scan"},
+      invars=new_invars, outvars=list(eqn.outvars),
+      source_info=eqn.source_info, ctx=eqn.ctx)
