@@ -102,3 +102,36 @@ def test_checkpoint_is_inlined_behind_its_cse_barrier():
   assert primitives.count(_compat.barrier_p) == 2  # one per recomputation
   assert max_relative_error(jlms.offload(step, **_EAGER)(w, x),
                             jax.jit(step)(w, x)) <= 1e-6
+
+
+def test_backward_scan_fetches_the_next_iterations_slices_ahead():
+  case = _gpt_scan()
+  args = case.make_args()
+  closed = jax.make_jaxpr(case.step)(*args)
+  program = flatten(closed)
+  residuals = find_scan_residuals(program, analyse(program),
+                                  OffloadConfig(**_EAGER))
+  (reader,) = {i for r in residuals for i in r.readers}
+  outputs = {}
+  for prefetch in (True, False):
+    streamed = offload_scan_residuals(program, residuals, prefetch=prefetch)
+    eqn = streamed.equations[reader].eqn
+    if prefetch:
+      # A call of a scan that carries the fetched slices on the device.
+      assert eqn.params["name"] == "jlms_prefetching_scan"
+      inner = eqn.params["jaxpr"].jaxpr
+      (scan,) = [e for e in inner.eqns if e.primitive is _compat.scan_p]
+      carried = [v.aval for v in scan.params["jaxpr"].jaxpr.invars[
+          scan.params["num_consts"]:][:scan.params["num_carry"]]]
+      slices = {program.avals[r.value].shape[1:] for r in residuals}
+      assert sum(a.shape in slices and not _compat.is_host_aval(a)
+                 for a in carried) >= len(residuals)
+    else:
+      assert eqn.primitive is _compat.scan_p
+    rewritten = rewrite(streamed, (), OffloadConfig(**_EAGER),
+                        closed.jaxpr.debug_info)
+    _compat.check_jaxpr(rewritten)
+    outputs[prefetch] = jax.jit(
+        lambda *a, c=rewritten: jax.core.eval_jaxpr(c.jaxpr, c.consts, *a)
+    )(*jax.tree.leaves(args))
+  assert max_relative_error(outputs[True], outputs[False]) == 0.0
