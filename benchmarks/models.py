@@ -131,14 +131,17 @@ class _ResNet(nn.Module):
         return nn.Dense(self.num_classes)(pooled)
 
 
-def resnet_case(blocks=16, channels=64, image_size=256, batch=8, num_classes=10) -> StepCase:
-    """A residual CNN that never downsamples, so every block's activations are full size.
+def resnet_case(
+    blocks=16, channels=64, image_size=256, batch=8, num_classes=10, optimizer=None
+) -> StepCase:
+    """A residual CNN that never downsamples, so every block's activations are
+    full size, trained with `optimizer` (default Adam, learning rate 1e-3).
 
     Step: `step(params, batch_stats, opt_state, images, labels)
     -> ((params, batch_stats, opt_state), loss)`; images NHWC float32.
     """
     model = _ResNet(blocks, channels, num_classes)
-    optimizer = optax.adam(1e-3)
+    optimizer = optax.adam(1e-3) if optimizer is None else optimizer
 
     def loss_fn(params, batch_stats, images, labels):
         logits, updated = model.apply(
@@ -414,3 +417,45 @@ def many_equations_case(layers=450, width=8, batch=4) -> StepCase:
         return params, x
 
     return _case(f"many_equations-l{layers}-w{width}-b{batch}", step, make_args)
+
+
+# --- 6. Attention written head by head (the serialization case) ---------------
+
+
+def _per_head_attention(x, wq, wk, wv):
+    heads = []
+    for h in range(wq.shape[0]):
+        q, k, v = x @ wq[h], x @ wk[h], x @ wv[h]
+        scores = q @ jnp.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])
+        heads.append(jax.nn.softmax(scores, axis=-1) @ v)
+    return jnp.concatenate(heads, -1)
+
+
+def per_head_attention_case(layers=2, heads=8, width=512, seq=2048, batch=4) -> StepCase:
+    """Residual self-attention layers whose heads are separate matmuls (as
+    code written head by head is): many independent large products that
+    XLA may keep resident together. SGD step; float32.
+
+    Step: `step(params, x) -> (params, loss)`; x [batch, seq, width].
+    """
+    head_dim = width // heads
+
+    def loss_fn(params, x):
+        for wq, wk, wv in params:
+            x = x + _per_head_attention(x, wq, wk, wv)
+        return jnp.mean(x**2)
+
+    def step(params, x):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x)
+        return _sgd(params, grads), loss
+
+    def make_args():
+        keys = iter(jax.random.split(jax.random.key(_SEED), 3 * layers + 1))
+        scale = 1 / math.sqrt(width)
+        params = [
+            tuple(jax.random.normal(next(keys), (heads, width, head_dim)) * scale for _ in range(3))
+            for _ in range(layers)
+        ]
+        return params, jax.random.normal(next(keys), (batch, seq, width))
+
+    return _case(f"per-head-attention-l{layers}-h{heads}-w{width}-s{seq}-b{batch}", step, make_args)

@@ -45,6 +45,11 @@ class OffloadConfig:
       layers of `nn.scan`, `jax.lax.scan`, `fori_loop`) go to host one slice
       per iteration inside the loops, rather than whole at the top level
       (see `jlms._loops`); same `min_bytes` and `swapout_threshold` rules.
+    serialize: layers whose ops run strictly one after another, chained by
+      barriers (see `jlms._serialize`): name-stack globs such as
+      "*Inception_2/*", and equation ranges (`range(a, b)` or `(a, b)`).
+    serialize_by_size: also chain every equation whose outputs take at
+      least this many bytes; None: no size rule.
   """
   min_bytes: int = 1 << 20
   swapout_threshold: int = 20
@@ -52,6 +57,8 @@ class OffloadConfig:
   swapin_groupby: int | None = None
   sync_mode: SyncMode = SyncMode.SWAP_OUT
   scan_residuals: bool = True
+  serialize: tuple = ()
+  serialize_by_size: int | None = None
 
   def __post_init__(self):
     for name in ("min_bytes", "swapout_threshold", "prefetch_ahead"):
@@ -68,6 +75,14 @@ class OffloadConfig:
     if not isinstance(self.scan_residuals, bool):
       raise ValueError("jlms: scan_residuals must be True or False, got "
                        f"{self.scan_residuals!r}")
+    if self.serialize_by_size is not None and (
+        not isinstance(self.serialize_by_size, int)
+        or isinstance(self.serialize_by_size, bool)
+        or self.serialize_by_size < 0):
+      raise ValueError("jlms: serialize_by_size must be None or a "
+                       f"non-negative int, got {self.serialize_by_size!r}")
+    from jlms._serialize import parse_serialize
+    object.__setattr__(self, "serialize", parse_serialize(self.serialize))
     object.__setattr__(self, "sync_mode", SyncMode(self.sync_mode))
 
   @property

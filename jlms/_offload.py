@@ -22,6 +22,7 @@ import logging
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 
 from jlms import _compat
 from jlms._config import OffloadConfig, SyncMode
@@ -31,6 +32,8 @@ from jlms._plan import Plan, build_plan
 from jlms._planner import Offload, plan_offloads
 from jlms._program import Program, flatten
 from jlms._rewrite import rewrite
+from jlms._sharding import abstract_arguments, unseen_split
+from jlms._serialize import serialized_equations
 from jlms._simulator import analyse_fusion, simulate
 from jlms._plan import format_bytes
 from jlms._tuner import BudgetError, Tuning, parse_budget, tune
@@ -212,7 +215,7 @@ class OffloadedStep:
     else:
       offloads, rewritten, config, extra = self._fit_budget(
           program, liveness, baseline, jit_params, debug_info, plain_program,
-          plain_liveness)
+          plain_liveness, leaves)
       if extra["tuning"].chosen is None and not offloads:
         # It fits as it is: the plain program runs, scans untouched.
         program, liveness, residuals = plain_program, plain_liveness, ()
@@ -222,6 +225,7 @@ class OffloadedStep:
         program, offloads,
         build_plan(program, liveness, offloads, config, baseline, timeline,
                    residuals=residuals,
+                   serialized=len(_serialized(program, liveness, config)),
                    **extra),
         out_trees[-1], rewritten, jit_params)
     self._analyses[key] = analysis
@@ -233,7 +237,8 @@ class OffloadedStep:
   def _rewrite(program, liveness, offloads, config, debug_info):
     fusion = analyse_fusion(program, liveness,
                             frozenset(o.value for o in offloads))
-    return rewrite(program, offloads, config, debug_info, fusion=fusion)
+    return rewrite(program, offloads, config, debug_info, fusion=fusion,
+                   serialized=_serialized(program, liveness, config, fusion))
 
   def _confirm_target(self) -> str | None:
     """Where XLA confirms a budget: the named target, else the local GPU,
@@ -250,16 +255,17 @@ class OffloadedStep:
                       target=target).peak_bytes
 
   def _fit_budget(self, program, liveness, baseline, jit_params, debug_info,
-                  plain_program, plain_liveness):
+                  plain_program, plain_liveness, leaves):
     """Tune for the budget with the simulator, then confirm with XLA,
     tightening the simulator's budget while XLA's peak does not fit.
     `plain_program` is the step before its scan residuals were moved to
-    host: what runs if the step fits as it is."""
+    host: what runs if the step fits as it is. The budget is per device:
+    XLA compiles the step with the shardings of `leaves`."""
     target = self._confirm_target()
     budget = parse_budget(
         self.budget, lambda: target_memory_bytes(target or "local"))
     avals = [program.avals[v] for v in program.invars]
-    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    abstract = abstract_arguments(avals, leaves)
     log.info("jlms: the step has %d equations and %d values; its arguments "
              "take %s", len(program), len(program.avals),
              format_bytes(sum(liveness.nbytes[v] for v in program.invars)))
@@ -270,6 +276,7 @@ class OffloadedStep:
                index, format_bytes(size))
     searched = budget
     measured = None
+    plain_peak = None
     if target is not None and baseline.peak_bytes > budget:
       # The simulator can overstate jax.jit's peak too: ask XLA before
       # offloading a step that already fits.
@@ -285,16 +292,28 @@ class OffloadedStep:
         return (), plain, self.config, dict(
             budget_bytes=budget, tuning=tuning, xla_peak_bytes=plain_peak,
             xla_target=target)
+    unseen = unseen_split(avals, leaves)
+    if unseen > 1:
+      # Auto mesh axes: the simulator sizes whole arrays, XLA and the budget
+      # one device's shards. Scale the budget by XLA's ratio of the two for
+      # jax.jit's program, or, with no XLA to ask, by the arguments' split.
+      scale = unseen if plain_peak is None else (
+          baseline.peak_bytes / max(plain_peak, 1))
+      searched = int(budget * scale)
+      log.info("jlms: the arguments are split %d ways but the step's values "
+               "carry no sharding (Auto mesh axes); the simulator searches "
+               "for a whole-step peak of %s", unseen, format_bytes(searched))
     for _ in range(_CONFIRMATIONS):
       try:
         tuning, offloads = tune(program, liveness, searched, self.config,
                                 baseline)
       except BudgetError as error:
         smallest = getattr(error, "smallest", None)
-        if measured is None or smallest is None:
+        if target is None or smallest is None:
           raise
-        # The simulator sees nothing that fits the tighter budget; XLA may
-        # still accept its most eager setting.
+        # The simulator sees nothing that fits (it overstates some steps,
+        # such as loop bodies' working memory); XLA may still accept the
+        # most eager setting.
         offloads = plan_offloads(program, liveness, smallest.config,
                                  analyse_fusion(program, liveness).materialized)
         rewritten = self._rewrite(program, liveness, offloads,
@@ -307,11 +326,13 @@ class OffloadedStep:
         if eager <= budget:
           measured, config = eager, smallest.config
           break
+        earlier = "" if measured is None else (
+            f"the plan the simulator predicted to fit has an XLA peak of "
+            f"{format_bytes(measured)}, and ")
         raise BudgetError(
             f"jlms: the step does not fit a budget of {format_bytes(budget)} "
-            f"on {target}: the plan the simulator predicted to fit has an "
-            f"XLA peak of {format_bytes(measured)}, and the most eager "
-            f"setting {format_bytes(eager)}. {error}") from None
+            f"on {target}: {earlier}the most eager setting has an XLA peak "
+            f"of {format_bytes(eager)}. {error}") from None
       config = tuning.chosen.config if tuning.chosen else self.config
       rewritten = self._rewrite(program, liveness, offloads, config,
                                 debug_info)
@@ -346,6 +367,16 @@ class OffloadedStep:
     return jax.tree.unflatten(analysis.out_tree, outs)
 
 
+def _serialized(program, liveness, config, fusion=None) -> frozenset:
+  if not config.serialize and config.serialize_by_size is None:
+    return frozenset()
+  if fusion is None:
+    fusion = analyse_fusion(program, liveness)
+  runs_in_place = fusion.executes_at == np.arange(len(program))
+  return serialized_equations(program, liveness, runs_in_place,
+                              config.serialize, config.serialize_by_size)
+
+
 def offload(fun: Callable | None = None, *,
             min_bytes: int = OffloadConfig.min_bytes,
             swapout_threshold: int = OffloadConfig.swapout_threshold,
@@ -353,6 +384,8 @@ def offload(fun: Callable | None = None, *,
             swapin_groupby: int | None = OffloadConfig.swapin_groupby,
             sync_mode: int | SyncMode = OffloadConfig.sync_mode,
             scan_residuals: bool = OffloadConfig.scan_residuals,
+            serialize=OffloadConfig.serialize,
+            serialize_by_size: int | None = OffloadConfig.serialize_by_size,
             static_argnums: int | Sequence[int] = (),
             static_argnames: str | Sequence[str] = (),
             donate_argnums: int | Sequence[int] = (),
@@ -386,6 +419,14 @@ def offload(fun: Callable | None = None, *,
       slice per iteration, so device memory stays flat in the number of
       scanned layers. False: such stacks are offloaded whole, like any
       other value.
+    serialize: layers whose ops must run one after another, so that large
+      independent ops (an Inception block's branches) are never resident
+      together: name-stack globs ("*Inception_2/*"; the Flax module path
+      and the primitive, as `Plan` prints them) and equation ranges
+      (`range(a, b)` or `(a, b)`). They are chained with optimization
+      barriers.
+    serialize_by_size: also serialize every equation whose outputs take at
+      least this many bytes.
     static_argnums, static_argnames, donate_argnums, donate_argnames: as in
       `jax.jit`.
     verify: check with XLA, on the first call of each signature, that the
@@ -412,7 +453,8 @@ def offload(fun: Callable | None = None, *,
                          swapout_threshold=swapout_threshold,
                          prefetch_ahead=prefetch_ahead,
                          swapin_groupby=swapin_groupby, sync_mode=sync_mode,
-                         scan_residuals=scan_residuals)
+                         scan_residuals=scan_residuals, serialize=serialize,
+                         serialize_by_size=serialize_by_size)
   jit_options = dict(static_argnums=static_argnums,
                      static_argnames=static_argnames,
                      donate_argnums=donate_argnums,

@@ -81,6 +81,7 @@ class Plan:
   tuning: Tuning | None = dataclasses.field(default=None, repr=False)
   xla_peak_bytes: int | None = None  # XLA's peak of the chosen program
   xla_target: str | None = None
+  serialized: int = 0  # equations chained by `serialize`
 
   @property
   def baseline_peak_bytes(self) -> int | None:
@@ -146,6 +147,9 @@ class Plan:
           f"jlms: {len(streamed)} of them are scan residuals "
           f"({format_bytes(sum(v.nbytes for v in streamed))}), moved one "
           "slice per iteration inside the loops (marked *)")
+    if self.serialized:
+      lines.append(f"jlms: {self.serialized} equations serialized (chained "
+                   "by barriers)")
     if self.baseline is not None and self.timeline is not None:
       lines.append(
           f"jlms: predicted device peak {format_bytes(self.baseline_peak_bytes)}"

@@ -15,6 +15,12 @@ inlined) and inserts, where the offloads say:
   gradient matmuls, keeping every prefetched value resident). With
   `SyncMode.SWAP_IN` the equation it is issued before waits for it.
 
+Serialized equations (`jlms._serialize`) are chained: each one's inputs go
+through a barrier with the outputs of the serialized equation before it,
+and later reads of those outputs go through it too (XLA prunes barrier
+operands nobody reads, and the order with them), so XLA cannot start one
+before the previous has run.
+
 Equations are built directly rather than re-traced: re-binding every
 primitive costs as much as tracing the step again, and tracing
 `jlms.offload(step)` must stay within twice the cost of tracing `step`.
@@ -46,7 +52,7 @@ def _tieable(atom) -> bool:
 
 def rewrite(program: Program, offloads: tuple[Offload, ...],
             config: OffloadConfig, debug_info=None, transfers: bool = True,
-            fusion=None):
+            fusion=None, serialized: frozenset = frozenset()):
   """The closed jaxpr of `program` with `offloads` applied.
 
   `fusion` (from `jlms._simulator.analyse_fusion`, with the offloaded values
@@ -119,6 +125,7 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
   # weight-gradient matmul, typically) can be postponed to the end of the step
   # while holding its swapped-in operand.
   offloaded_reader_outputs: list = []
+  serial_outputs: list[int] = []  # of the latest serialized equation
   sync_out = bool(config.sync_mode & SyncMode.SWAP_OUT)
   sync_in = bool(config.sync_mode & SyncMode.SWAP_IN)
   end = len(program)
@@ -176,6 +183,12 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
 
     if equation is None:
       break
+    if index in serialized:
+      previous = [a for a in live(serial_outputs) if _tieable(env[a])]
+      if previous:
+        chained = tie_to_inputs([env[a] for a in previous], equation.inputs,
+                                anchor, "jlms_serialize")
+        env.update(zip(previous, chained))
     outvars = []
     for out_id, old in zip(equation.outputs, equation.eqn.outvars):
       if isinstance(old, _compat.DropVar):
@@ -191,6 +204,8 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
     made = [o for o in equation.outputs if has_buffer(o)]
     if made:
       previous_outputs = made
+      if index in serialized:
+        serial_outputs = made
     reads_offloaded = any(isinstance(a, int) and swapped_out_at.get(a, end)
                           < index for a in equation.inputs)
     # A re-layout of a reader's output stands in for it: XLA folds the two

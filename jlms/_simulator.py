@@ -243,8 +243,8 @@ def simulate(program: Program, liveness: Liveness,
 
 def body_working_bytes(program: Program) -> np.ndarray:
   """Per equation, the device bytes its sub-jaxprs (loop bodies, branches,
-  rematerialised calls) need of their own while it runs: the largest
-  temporaries-plus-results of any of its bodies. 0 for plain equations."""
+  calls) need of their own while it runs: the largest temporaries of any
+  of its bodies. 0 for plain equations."""
   working = np.zeros(len(program), dtype=np.int64)
   cache: dict[int, int] = {}
   for index, equation in enumerate(program.equations):
@@ -258,9 +258,10 @@ def body_working_bytes(program: Program) -> np.ndarray:
             [], [], list(body.constvars) + list(body.invars), body.outvars,
             body.eqns, body.debug_info))
         inner_liveness = analyse(inner)
+        # Temporaries only: the body's inputs and results are the
+        # equation's own operands and results (or slices of them).
         timeline = simulate(inner, inner_liveness)
-        arguments = sum(inner_liveness.nbytes[v] for v in inner.invars)
-        cache[key] = max(timeline.peak_bytes - arguments, 0)
+        cache[key] = max(timeline.peak_bytes - timeline.fixed_bytes, 0)
       working[index] = max(working[index], cache[key])
   return working
 

@@ -12,6 +12,8 @@ the local backend, and returns the compiler's own accounting as an
   on the target's first device, unless its sharding already lives on that
   target's topology (then it is kept), so concrete CPU arrays, numpy arrays and
   `jax.ShapeDtypeStruct`s all measure the same. No data is ever transferred.
+  Without a `topology=`, arguments sharded over devices of
+  `target_devices(target, topology)` are compiled on that topology.
 - When deviceless compilation cannot work on this machine the error is a
   `DevicelessUnavailableError` whose message says what to install or set.
 """
@@ -152,7 +154,7 @@ def xla_memory(
     fn: Callable,
     *args: Any,
     target: str = "h100",
-    topology: str = "1x1x1",
+    topology: str | None = None,
     **kwargs: Any,
 ) -> XlaMemory:
     """Compiles `fn(*args, **kwargs)` for `target` and returns XLA's memory.
@@ -167,6 +169,8 @@ def xla_memory(
       target: "h100", "h200", "a100" (deviceless GPU compile) or "local" (the
         default local backend, with the arguments exactly as given).
       topology: GPU layout `<slices>x<hosts>x<gpus per host>` of a GPU target.
+        None (default): the topology whose devices (from `target_devices`)
+        the arguments' shardings use, else "1x1x1".
 
     Returns:
       An `XlaMemory` with the compiled program's per-device bytes.
@@ -177,6 +181,8 @@ def xla_memory(
     """
     _check_target(target)
     if target != LOCAL_TARGET:
+        if topology is None:
+            topology = _topology_of_arguments(target, (args, kwargs))
         devices = _gpu_topology(target, topology).devices
         args, kwargs = _place_on_target((args, kwargs), devices)
     lower = fn.lower if hasattr(fn, "lower") else jax.jit(fn).lower
@@ -231,7 +237,7 @@ def _gpu_topology(target: str, topology: str) -> topologies.TopologyDescription:
         .read_text()
     )
     try:
-        return topologies.get_topology_desc(
+        description = topologies.get_topology_desc(
             platform="cuda", target_config=target_config, topology=topology
         )
     except NotImplementedError as error:
@@ -239,6 +245,28 @@ def _gpu_topology(target: str, topology: str) -> topologies.TopologyDescription:
             f"No deviceless CUDA topology for target {target!r}: "
             f"{_why_no_cuda_topology()}"
         ) from error
+    _TOPOLOGIES_MADE.setdefault(target, []).append(topology)
+    return description
+
+
+# Target -> the topologies made for it so far, in order: arguments sharded
+# over devices of one of them are compiled on that one.
+_TOPOLOGIES_MADE: dict[str, list[str]] = {}
+
+
+def _topology_of_arguments(target: str, tree: Any) -> str:
+    """The topology of `target`, among those made, whose devices hold every
+    sharded argument of `tree`; "1x1x1" when there is none."""
+    used: set = set()
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.Sharding):
+            used |= set(sharding.device_set)
+    if used:
+        for topology in _TOPOLOGIES_MADE.get(target, ()):
+            if used <= set(_gpu_topology(target, topology).devices):
+                return topology
+    return "1x1x1"
 
 
 def _why_no_cuda_topology() -> str:

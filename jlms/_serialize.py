@@ -1,0 +1,80 @@
+"""Choosing the equations to serialize: layers whose ops must run one by one.
+
+TFLMSv2's `serialization` made the ops of chosen graph levels run one after
+another, so that large independent ops (the branches of an Inception block)
+could not be resident together. In JAX the jaxpr is already a sequence, but
+XLA reorders it freely; jlms pins the order of the chosen equations down by
+chaining them with optimization barriers (the rewrite does that, see
+`jlms._rewrite`). This module only decides which equations are chained.
+
+An equation is chosen when it does work of its own (XLA does not fuse it
+into a later kernel: chaining a fused-away equation would give its result
+a buffer) and it matches one of `serialize`'s items:
+- a string: a glob over the equation's name (the Flax/`jax.named_scope`
+  name stack then the primitive, e.g. "*Inception_2/*" or "*branch_*conv*"),
+  matched anywhere in the name;
+- a `range` or a `(start, stop)` pair: equation indices of the flattened
+  step, stop excluded (as `Plan` and the reports number them);
+or when its outputs take at least `serialize_by_size` bytes.
+
+Pure function of a program, its liveness and its fusion analysis.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from jlms._liveness import Liveness
+from jlms._program import Program
+
+
+def parse_serialize(items) -> tuple:
+  """`serialize` as a tuple of glob strings and `range`s; raises on items
+  of any other kind."""
+  if items is None:
+    return ()
+  if isinstance(items, (str, range)):
+    items = (items,)
+  parsed = []
+  for item in items:
+    if isinstance(item, str):
+      parsed.append(item)
+    elif isinstance(item, range):
+      parsed.append(item)
+    elif (isinstance(item, tuple) and len(item) == 2
+          and all(isinstance(i, int) for i in item)):
+      parsed.append(range(*item))
+    else:
+      raise ValueError(
+          "jlms: serialize takes name patterns (str), equation ranges "
+          f"(range or (start, stop)), got {item!r}")
+  return tuple(parsed)
+
+
+def serialized_equations(program: Program, liveness: Liveness,
+                         runs_in_place, serialize=(),
+                         serialize_by_size: int | None = None) -> frozenset:
+  """Indices of the equations to chain (see the module docstring).
+  `runs_in_place[i]` says whether equation `i`'s work happens where it
+  stands (`Fusion.executes_at[i] == i`)."""
+  patterns = [p if any(c in p for c in "*?[") else f"*{p}*"
+              for p in serialize if isinstance(p, str)]
+  patterns = [p if p.startswith("*") else "*" + p for p in patterns]
+  patterns = [p if p.endswith("*") else p + "*" for p in patterns]
+  ranges = [r for r in serialize if isinstance(r, range)]
+  chosen = set()
+  for index, equation in enumerate(program.equations):
+    if not runs_in_place[index]:
+      continue
+    if any(index in r for r in ranges):
+      chosen.add(index)
+      continue
+    if serialize_by_size is not None and sum(
+        liveness.nbytes[o] for o in equation.outputs) >= serialize_by_size:
+      chosen.add(index)
+      continue
+    if patterns:
+      name = equation.readable_name()
+      if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+        chosen.add(index)
+  return frozenset(chosen)

@@ -1,0 +1,91 @@
+"""What one device holds of a sharded step's values.
+
+A step whose arguments are sharded over several devices runs as one program
+per device, and every memory figure that matters is per device: XLA's
+`memory_analysis()`, a GPU's capacity, a `jlms.offload` budget. jlms plans on
+the step's jaxpr, whose values are whole (global) arrays; how much of each a
+device holds is known only where the jaxpr says so.
+
+Guarantees:
+- `device_shape(aval)` is the shape of one device's shard where the aval
+  carries an explicit sharding (sharding in types: a mesh with
+  `AxisType.Explicit` axes, `jax.make_mesh`'s default), and the whole shape
+  otherwise. With `AxisType.Auto` axes XLA chooses the shardings of the
+  intermediate values after jlms has planned, so the jaxpr shows none.
+- `unseen_split(avals, leaves)` is 1 when the avals already show every split
+  of the arguments (or nothing is sharded); otherwise it is the largest
+  factor by which an argument's sharding splits it while its aval shows the
+  whole array: the factor by which jlms's sizes overstate a device's.
+- `abstract_arguments(avals, leaves)` gives `ShapeDtypeStruct`s that keep
+  each argument's sharding, so that XLA compiles (and measures) the program
+  as it runs, per device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+
+def device_shape(aval) -> tuple[int, ...]:
+  """The shape of the shard one device holds of a value of `aval`."""
+  shape = tuple(aval.shape)
+  sharding = getattr(aval, "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None or not any(axis is not None for axis in spec):
+    return shape
+  try:
+    return tuple(sharding.shard_shape(shape))
+  except (ValueError, TypeError):
+    # An uneven split has no single shard shape: count the whole array, an
+    # upper bound, which is the safe side for a budget.
+    return shape
+
+
+def _concrete_sharding(leaf):
+  """The placement of an argument (array or ShapeDtypeStruct), or None
+  under an outer trace and for Python scalars."""
+  if isinstance(leaf, jax.core.Tracer):
+    return None
+  sharding = getattr(leaf, "sharding", None)
+  if not isinstance(sharding, jax.sharding.Sharding):
+    return None
+  return sharding
+
+
+def _split(sharding, shape) -> int:
+  """Factor by which `sharding` splits an array of `shape` per device."""
+  whole = math.prod(shape)
+  if whole == 0:
+    return 1
+  try:
+    return max(1, whole // max(1, math.prod(sharding.shard_shape(shape))))
+  except (ValueError, TypeError):
+    return 1
+
+
+def unseen_split(avals, leaves) -> int:
+  """Largest split of an argument that its aval does not show (see the
+  module docstring)."""
+  unseen = 1
+  for aval, leaf in zip(avals, leaves):
+    shape = getattr(aval, "shape", None)
+    sharding = _concrete_sharding(leaf)
+    if shape is None or sharding is None:
+      continue
+    if device_shape(aval) == tuple(shape):
+      unseen = max(unseen, _split(sharding, tuple(shape)))
+  return unseen
+
+
+def abstract_arguments(avals, leaves) -> list:
+  """`ShapeDtypeStruct`s of the arguments, each with its leaf's sharding
+  when it has one (so a compile measures one device of the sharded step)."""
+  structs = []
+  for aval, leaf in zip(avals, leaves):
+    sharding = _concrete_sharding(leaf)
+    structs.append(jax.ShapeDtypeStruct(
+        aval.shape, aval.dtype, sharding=sharding,
+        weak_type=getattr(aval, "weak_type", False)))
+  return structs

@@ -1,0 +1,180 @@
+"""Sharded and multi-process runs of `jlms.offload`, one per Python process.
+
+The number of CPU devices is fixed when jax starts, and the test session's
+jax already runs with one, so `test_sharding.py` runs this module with
+`sys.executable` and `XLA_FLAGS=--xla_force_host_platform_device_count=N`
+set, and reads what it prints or writes.
+
+    python -m jlms_tests._sharded_worker layouts
+        The small BatchNorm ResNet step on every CPU device, data parallel
+        (explicit and Auto mesh axes) and FSDP-style, and an MLP step that
+        constrains its activations' sharding inside (`_ConstrainedCase`),
+        under jax.jit and jlms.offload. Prints one JSON object: per layout,
+        the error against jax.jit, whether every output sharding equals
+        jax.jit's, how many values were offloaded, how many devices the
+        outputs span and how many of them are split.
+
+    python -m jlms_tests._sharded_worker step --out FILE
+        [--coordinator HOST:PORT --num-processes N --process-id I]
+        One data-parallel step under jlms.offload over all devices of all
+        processes (joined by `jax.distributed.initialize` when a coordinator
+        is given), and the same under jax.jit. Process 0 writes both
+        outputs to FILE (.npz: `jlms_<leaf>`, `jit_<leaf>`).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+import jlms
+from benchmarks import models
+from benchmarks.sharded import AXIS, mesh_of, shard_step_args
+from jlms_tests.conftest import max_relative_error
+
+# The small model's activations (128 KiB per device) go to host; its
+# per-channel vectors stay, as they would with the default 1 MiB floor on
+# a real model. Moving those too gives the same values up to float32
+# summation order (about 1e-6 on BatchNorm biases, whose gradients are sums
+# of cancelling terms; jax.jit on 8 devices against 1 differs by 4e-6 there).
+EAGER = dict(min_bytes=1 << 16, swapout_threshold=4)
+
+
+def small_case(batch: int):
+  # Momentum SGD: Adam divides by sqrt(v), which turns gradients that are
+  # zero up to rounding (BatchNorm biases) into updates made of rounding
+  # noise, and any two reduction orders differ there.
+  return models.resnet_case(blocks=2, channels=16, image_size=32, batch=batch,
+                            optimizer=optax.sgd(1e-2, momentum=0.9))
+
+
+def _layout_result(case, args, knobs=EAGER) -> dict:
+  expected = jax.jit(case.step)(*args)
+  step = jlms.offload(case.step, **knobs)
+  actual = step(*args)
+  pairs = list(zip(jax.tree.leaves(actual), jax.tree.leaves(expected)))
+  return {
+      "error": max_relative_error(actual, expected),
+      "shardings_equal": all(a.sharding == e.sharding for a, e in pairs),
+      "offloaded": len(step.plan(*args).offloaded),
+      "output_devices": max(len(a.sharding.device_set) for a, _ in pairs),
+      "sharded_outputs": sum(not a.sharding.is_fully_replicated
+                             for a, _ in pairs),
+  }
+
+
+class _ConstrainedCase:
+  """A tanh MLP step that constrains its activations to the batch split:
+  each layer is a nested jit with `out_shardings`, followed by
+  `with_sharding_constraint` (Auto axes) or `jax.sharding.reshard`
+  (explicit axes)."""
+
+  def __init__(self, mesh, layers: int = 6, width: int = 64):
+    self.mesh, self.layers, self.width = mesh, layers, width
+    by_batch = NamedSharding(mesh, PartitionSpec(AXIS))
+    explicit = mesh.axis_types[0] == AxisType.Explicit
+    layer = jax.jit(lambda w, h: jnp.tanh(h @ w), out_shardings=by_batch)
+
+    def loss(weights, x):
+      h = x
+      for w in weights:
+        h = layer(w, h)
+        h = (jax.sharding.reshard(h, by_batch) if explicit
+             else jax.lax.with_sharding_constraint(h, by_batch))
+      return jnp.mean(h ** 2)
+
+    def step(weights, x):
+      value, grads = jax.value_and_grad(loss)(weights, x)
+      return [w - 0.1 * g for w, g in zip(weights, grads)], value
+
+    self.step = step
+
+  def make_args(self):
+    keys = jax.random.split(jax.random.key(0), self.layers + 1)
+    weights = [jax.random.normal(k, (self.width, self.width)) / 8
+               for k in keys[:-1]]
+    x = jax.random.normal(keys[-1], (8 * len(self.mesh.devices.flat),
+                                     self.width))
+    return shard_step_args((weights, x), self.mesh, batch_args=1)
+
+
+def layouts() -> dict:
+  devices = jax.devices()
+  case = small_case(batch=2 * len(devices))
+  args = case.make_args()
+  return {
+      "devices": len(devices),
+      "data_parallel_explicit": _layout_result(
+          case, shard_step_args(args, mesh_of(devices))),
+      "data_parallel_auto": _layout_result(
+          case, shard_step_args(args, mesh_of(devices, AxisType.Auto))),
+      "fsdp": _layout_result(
+          case, shard_step_args(args, mesh_of(devices, AxisType.Auto),
+                                fsdp=True)),
+  } | {
+      f"constrained_{name}": _layout_result(
+          constrained, constrained.make_args(),
+          dict(min_bytes=1, swapout_threshold=4))
+      for name, constrained in (
+          ("explicit", _ConstrainedCase(mesh_of(devices))),
+          ("auto", _ConstrainedCase(mesh_of(devices, AxisType.Auto))))
+  }
+
+
+def _global(value, sharding):
+  """A global array from the full value every process holds."""
+  value = np.asarray(value)
+  return jax.make_array_from_callback(value.shape, sharding,
+                                      lambda index: value[index])
+
+
+def step(out: str) -> None:
+  devices = jax.devices()
+  case = small_case(batch=8)
+  host_args = case.make_args()
+  placed = shard_step_args(case.abstract_args(), mesh_of(devices))
+  args = jax.tree.map(lambda value, spec: _global(value, spec.sharding),
+                      host_args, placed)
+  results = {"jlms": jlms.offload(case.step, **EAGER)(*args),
+             "jit": jax.jit(case.step)(*args)}
+  # Every output is replicated (state and loss): each process has all of it.
+  arrays = {f"{name}_{i}": np.asarray(leaf.addressable_data(0))
+            for name, outputs in results.items()
+            for i, leaf in enumerate(jax.tree.leaves(outputs))}
+  if jax.process_index() == 0:
+    np.savez(out, **arrays, devices=len(devices),
+             processes=jax.process_count())
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("mode", choices=("layouts", "step"))
+  parser.add_argument("--out")
+  parser.add_argument("--coordinator")
+  parser.add_argument("--num-processes", type=int, default=1)
+  parser.add_argument("--process-id", type=int, default=0)
+  options = parser.parse_args(argv)
+  if options.mode == "layouts":
+    print(json.dumps(layouts()))
+    return
+  if options.coordinator:
+    jax.distributed.initialize(coordinator_address=options.coordinator,
+                               num_processes=options.num_processes,
+                               process_id=options.process_id)
+  step(options.out)
+  if options.coordinator:
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main()
