@@ -68,9 +68,13 @@ def analyse_fusion(program: Program, liveness: Liveness,
   # An optimization barrier (one `jax.checkpoint` puts on its inputs) makes
   # no buffer: its outputs are its inputs, alive until their last read.
   aliasing = np.zeros(n, dtype=bool)
+  # Loops and calls: XLA sinks a broadcast they read into their bodies
+  # rather than materialise it outside (an attention mask, a fill value).
+  has_body = np.zeros(n, dtype=bool)
   for index, equation in enumerate(equations):
     primitive = equation.primitive
     aliasing[index] = primitive is _compat.barrier_p
+    has_body[index] = bool(_compat.sub_jaxprs(equation.eqn))
     fusible[index] = _compat.is_fusible_equation(equation.eqn)
     takes_fused[index] = fusible[index] or (
         primitive in _compat.REDUCTION_PRIMITIVES)
@@ -90,7 +94,8 @@ def analyse_fusion(program: Program, liveness: Liveness,
       continue
     if reads[-1] >= n:
       continue  # a step output
-    if not all(takes_fused[r] for r in reads):
+    if not all(takes_fused[r] or (has_body[r] and _is_expansion(
+        equations[made_by], value, liveness)) for r in reads):
       continue
     if len(reads) > 1 and expensive[made_by]:
       continue
@@ -124,6 +129,14 @@ def analyse_fusion(program: Program, liveness: Liveness,
   for value in program.invars:
     last_read[value] = last_read_of(value)
   return Fusion(materialized, last_read, executes_at)
+
+
+def _is_expansion(equation, value: int, liveness: Liveness) -> bool:
+  """Whether `value` is made from inputs at least 4 times smaller (a
+  broadcast, an iota, a fill): cheap to recompute wherever it is read."""
+  inputs = sum(liveness.nbytes[a] for a in equation.inputs
+               if isinstance(a, int))
+  return 4 * inputs <= liveness.nbytes[value]
 
 
 def _swap_in_end(swap_in, executes_at) -> int:
@@ -184,12 +197,15 @@ def fixed_bytes(program: Program, liveness: Liveness) -> int:
 
 def simulate(program: Program, liveness: Liveness,
              offloads: tuple[Offload, ...] = (),
-             fusion: Fusion | None = None) -> MemoryTimeline:
+             fusion: Fusion | None = None,
+             operands_fixed: bool = True) -> MemoryTimeline:
   """The predicted device and host memory of `program` run with `offloads`.
 
   `fusion` may be passed when it was computed with the offloaded values
   forced to buffers (the tuner reuses one for many plans); by default it is
-  computed here.
+  computed here. With `operands_fixed=False` (a loop body's iteration)
+  the inputs exist from the start until their last read and the outputs
+  from where they are made, rather than for the whole run.
   """
   n = len(program)
   offload_of = {o.value: o for o in offloads}
@@ -198,9 +214,14 @@ def simulate(program: Program, liveness: Liveness,
   nbytes = np.asarray(liveness.nbytes, dtype=np.int64)
   start = np.asarray(liveness.producer, dtype=np.int64)
   stop = fusion.last_read.copy()
-  temporary = fusion.materialized & (start >= 0) & (stop >= 0) & (nbytes > 0)
   outputs = [a for a in program.outvars if isinstance(a, int)]
-  temporary[outputs] = False
+  if operands_fixed:
+    temporary = fusion.materialized & (start >= 0) & (stop >= 0) & (nbytes > 0)
+    temporary[outputs] = False
+  else:
+    start = np.maximum(start, 0)
+    temporary = fusion.materialized & (stop >= 0) & (nbytes > 0)
+    outputs = []
   stop = np.minimum(stop, n)
 
   device = np.zeros(n + 2, dtype=np.int64)
@@ -231,7 +252,7 @@ def simulate(program: Program, liveness: Liveness,
       host[max(start[value], 0)] += size
       host[min(liveness.uses[value][-1], n) + 1] -= size
 
-  fixed = fixed_bytes(program, liveness)
+  fixed = fixed_bytes(program, liveness) if operands_fixed else 0
   device_bytes = np.cumsum(device)[: n + 1] + fixed
   device_bytes[:n] += body_working_bytes(program)
   host_bytes = np.cumsum(host)[: n + 1]
@@ -258,10 +279,13 @@ def body_working_bytes(program: Program) -> np.ndarray:
             [], [], list(body.constvars) + list(body.invars), body.outvars,
             body.eqns, body.debug_info))
         inner_liveness = analyse(inner)
-        # Temporaries only: the body's inputs and results are the
-        # equation's own operands and results (or slices of them).
-        timeline = simulate(inner, inner_liveness)
-        cache[key] = max(timeline.peak_bytes - timeline.fixed_bytes, 0)
+        # An iteration's inputs die at their last read and its results are
+        # made as it runs (XLA reuses the buffers of one for the other);
+        # what the inputs take is the equation's own operands (or slices
+        # of them), counted outside.
+        timeline = simulate(inner, inner_liveness, operands_fixed=False)
+        inputs = sum(inner_liveness.nbytes[v] for v in inner.invars)
+        cache[key] = max(timeline.peak_bytes - inputs, 0)
       working[index] = max(working[index], cache[key])
   return working
 

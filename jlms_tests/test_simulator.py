@@ -124,7 +124,9 @@ def _relative_errors(case, **knobs):
     models.mlp_case(depth=16, width=2048, batch=4096),
     models.resnet_case(blocks=4, channels=64, image_size=128, batch=8),
     models.gpt_case(layers=4, width=512, heads=8, seq=1024, batch=4),
-], ids=["mlp", "cnn", "gpt"])
+    models.gpt_case(layers=12, width=512, heads=8, seq=1024, batch=8,
+                    scan_layers=True),
+], ids=["mlp", "cnn", "gpt", "gpt_scan"])
 def test_predicted_peaks_are_within_20_percent_of_xla(case):
   baseline_error, offloaded_error = _relative_errors(case)
   assert abs(baseline_error) <= 0.20, baseline_error
