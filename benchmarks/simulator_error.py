@@ -2,8 +2,9 @@
 
     python -m benchmarks.simulator_error [--target h100] [--json PATH]
 
-Part 1: for an MLP, a CNN and a GPT-style decoder, the simulator's predicted
-device peak of `jax.jit(step)` and of default `jlms.offload(step)`, next to
+Part 1: for an MLP, a CNN and a GPT-style decoder (unrolled, and with its
+layers under `nn.scan`), the simulator's predicted device peak of
+`jax.jit(step)` and of default `jlms.offload(step)`, next to
 XLA's peak of the same programs compiled for `target` (deviceless), and the
 relative error. Part 2: the 16-block BatchNorm ResNet with budgets of 40%
 and 200% of jax.jit's XLA peak and of 10 MiB: what the tuner chose, what
@@ -89,6 +90,8 @@ def main(argv=None) -> dict:
       models.mlp_case(depth=16, width=2048, batch=4096),
       models.resnet_case(blocks=16, channels=64, image_size=256, batch=8),
       models.gpt_case(layers=6, width=512, heads=8, seq=1024, batch=8),
+      models.gpt_case(layers=12, width=512, heads=8, seq=1024, batch=8,
+                      scan_layers=True),
   ]
   errors = [error_row(case, options.target) for case in cases]
   print(f"{'model':<36} {'eqns':>6} {'jit pred':>9} {'jit XLA':>9} "
