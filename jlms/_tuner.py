@@ -109,16 +109,20 @@ class Tuning:
 
 class _Progress:
   """A one-line progress bar on stderr, shown only once a search has taken
-  longer than a couple of seconds."""
+  longer than a couple of seconds, and only on a terminal (in a log file
+  or a captured stream its redraws would pile up)."""
 
   def __init__(self, total: int):
     self.total, self.done = total, 0
     self.start = time.perf_counter()
     self.shown = False
+    isatty = getattr(sys.stderr, "isatty", None)
+    self.enabled = bool(isatty and isatty())
 
   def step(self) -> None:
     self.done += 1
-    if time.perf_counter() - self.start < _PROGRESS_AFTER_SECONDS:
+    if not self.enabled or (
+        time.perf_counter() - self.start < _PROGRESS_AFTER_SECONDS):
       return
     self.shown = True
     filled = int(30 * self.done / max(self.total, 1))

@@ -121,8 +121,15 @@ def test_an_impossible_budget_names_the_smallest_peak(mlp):
   assert "arguments and outputs" in message or "largest equation" in message
 
 
-def test_progress_bar_appears_only_for_long_searches(monkeypatch, capsys):
+def test_progress_bar_appears_only_for_long_searches_on_a_terminal(
+    monkeypatch, capsys):
+  import sys
   monkeypatch.setattr(_tuner, "_PROGRESS_AFTER_SECONDS", 0.0)
+  piped = _tuner._Progress(4)  # captured stderr is not a terminal
+  piped.step()
+  piped.close()
+  assert capsys.readouterr().err == ""
+  monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
   progress = _tuner._Progress(4)
   for _ in range(4):
     progress.step()
