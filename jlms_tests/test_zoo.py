@@ -1,0 +1,96 @@
+"""The model zoo's train steps under jlms.offload give jax.jit's outputs (CPU),
+and the many-models benchmark writes its figures."""
+
+import json
+
+import jax
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import jlms
+from benchmarks import many_models, zoo
+from jlms_tests.conftest import max_relative_error
+
+# The smallest structure of each network that keeps every kind of unit it
+# has (stem, each block type, reductions, the scanned layer). The classifiers
+# get 64x64 images and 4 of them so that their last BatchNorms still average
+# 16 values per channel: over 2 values (32x32, batch 2) the step is so
+# ill-conditioned that rounding differences grow to 1e-5.
+TINY = {
+    "resnet50": dict(size=64, batch_size=4, stage_blocks=(1, 1, 1, 1)),
+    "densenet121": dict(size=64, batch_size=4, block_layers=(2, 1, 1, 1)),
+    "mobilenetv2": dict(size=64, batch_size=4, stage_repeats=(1,) * 7),
+    "inception": dict(size=64, batch_size=4, block_counts=(1, 1, 1)),
+    "unet3d": dict(size=16, batch_size=2, levels=3, base_features=8),
+    "gpt": dict(size=64, batch_size=2, layers=2, width=64, heads=2,
+                vocab=256),
+}
+
+# A third of the CPU compile time: LLVM optimisation off and XLA's older
+# loop emitters instead of its MLIR fusion emitters. The HLO passes, where
+# host copies and barriers could be lost or reordered, run as always.
+_FAST_COMPILE = {"xla_backend_optimization_level": 0,
+                 "xla_cpu_use_fusion_emitters": False}
+
+
+def _tiny_case(name, remat=None):
+  structure = dict(TINY[name])
+  size, batch_size = structure.pop("size"), structure.pop("batch_size")
+  return zoo.ZOO[name].build(size, batch_size, remat=remat, **structure)
+
+
+def _run(jitted, args=()):
+  return jitted.lower(*args).compile(compiler_options=_FAST_COMPILE)(*args)
+
+
+def _step_error(actual, expected) -> float:
+  """conftest's normwise error of each output of a step (parameters, batch
+  statistics, optimizer state, loss) taken as one vector.
+
+  Leaf by leaf it would compare rounding noise with itself: some leaves are
+  zero in exact arithmetic, such as the gradient of a bias or scale whose
+  only readers are BatchNorms, which undo any per-channel shift or scale.
+  """
+  (actual_state, actual_loss), (expected_state, expected_loss) = actual, expected
+  pairs = zip((*actual_state, actual_loss), (*expected_state, expected_loss))
+  return max(max_relative_error(ravel_pytree(a)[0], ravel_pytree(e)[0])
+             for a, e in pairs)
+
+
+@pytest.mark.parametrize("name", sorted(zoo.ZOO))
+def test_offloaded_zoo_step_matches_jit(name):
+  case = _tiny_case(name)
+  args = _run(case.make_args)
+  # 1 KiB: at this size the default 1 MiB would leave little to offload.
+  step = jlms.offload(case.step, min_bytes=1 << 10)
+  assert step.plan(*args).offloaded, "the tiny step offloads nothing"
+  expected = _run(jax.jit(case.step), args)
+  assert _step_error(_run(step, args), expected) <= 1e-5
+
+
+@pytest.mark.parametrize("remat", ["nothing_saveable", "offload"])
+def test_rematerialised_zoo_step_matches_plain(remat):
+  # The U-Net: BatchNorm statistics updated inside nn.remat, and decoder
+  # units whose input (upsampled and skip maps) is a tuple.
+  plain, rematerialised = _tiny_case("unet3d"), _tiny_case("unet3d", remat)
+  args = _run(plain.make_args)
+  # Same parameter names and values, so one set of arguments serves both.
+  assert max_relative_error(_run(rematerialised.make_args), args) == 0.0
+  expected = _run(jax.jit(plain.step), args)
+  actual = _run(jax.jit(rematerialised.step), args)
+  assert _step_error(actual, expected) <= 1e-5
+
+
+@pytest.mark.slow
+def test_many_models_writes_json(tmp_path):
+  path = tmp_path / "figures.json"
+  many_models.main(["--model", "gpt", "--image-size", "64",
+                    "--batch-size", "2", "--target", "h100",
+                    "--json", str(path)])
+  (row,) = json.loads(path.read_text())["models"].values()
+  assert row["case"] == "gpt-l12-w768-s64-b2"
+  for variant in ("jit", "jlms", "remat_nothing_saveable", "remat_offload"):
+    assert row[variant]["peak_bytes"] > 0, row[variant]
+  assert row["flops"] > 0
+  assert row["jlms"]["predicted"]["serial_ms"] >= row["jit"]["predicted"][
+      "compute_ms"]
