@@ -138,15 +138,18 @@ def hardware_for(target: str, tflops: float | None, link_gbps: float | None) -> 
     return Hardware(gpu, flops, link, link_rate)
 
 
-def _target_fp32_peak(target: str) -> tuple[str, float]:
-    """(GPU name, FP32 FMA peak in FLOP/s) from jlms's description of `target`."""
+def _target_field(target: str, name: str) -> str:
+    """One field of jlms's description of the GPU `target` (targets/*.txtpb)."""
     text = (importlib.resources.files("jlms") / "targets" / f"{target}.txtpb").read_text()
+    return re.search(rf"\b{name}:\s*\"?([^\"\n]+)", text).group(1)
 
-    def field(name):
-        return re.search(rf"\b{name}:\s*\"?([^\"\n]+)", text).group(1)
 
-    peak = int(field("core_count")) * int(field("fpus_per_core")) * 2 * float(field("clock_rate_ghz")) * 1e9
-    return field("name"), peak
+def _target_fp32_peak(target: str) -> tuple[str, float]:
+    """(GPU name, FP32 FMA peak in FLOP/s) of `target`: SMs x FP32 lanes per
+    SM x 2 FLOP per FMA x clock."""
+    lanes = int(_target_field(target, "core_count")) * int(_target_field(target, "fpus_per_core"))
+    clock = float(_target_field(target, "clock_rate_ghz")) * 1e9
+    return _target_field(target, "name"), lanes * 2 * clock
 
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": MIB, "gib": GIB, "tib": 1 << 40,
@@ -579,9 +582,32 @@ def markdown(result: dict) -> str:
     if searches:
         parts += ["", "## Largest size under a device budget", "",
                   "Doubling then bisection on XLA's device peak of each probe (deviceless "
-                  "compile); the multiplier is jlms's largest over jax.jit's (a ratio of side "
-                  "lengths for image sizes).", "", *find_max_table(searches)]
+                  "compile, default jlms knobs); the multiplier is jlms's largest over "
+                  "jax.jit's (a ratio of side lengths for image sizes). Both figures include "
+                  "XLA's own rematerialisation, which the GPU compiler applies to any program "
+                  "above its memory limit.", ""]
+        if result["target"] in _LINKS:
+            memory = int(_target_field(result["target"], "device_memory_size"))
+            parts += [f"The {result['target']} target's device memory is "
+                      f"{memory / GIB:.1f} GiB.", ""]
+        parts += find_max_table(searches)
+        failed = [(search["model"], variant, probe)
+                  for search in searches for variant in ("jit", "jlms")
+                  for probe in search[variant]["probes"] if "error" in probe]
+        if failed:
+            parts += ["", "Probes XLA could not compile (counted as not fitting):", ""]
+            parts += [f"- {model} / {variant} at {probe['value']}: "
+                      f"`{probe['error'].splitlines()[-1][:300]}`"
+                      for model, variant, probe in failed]
     return "\n".join(parts) + "\n"
+
+
+def render_markdown(json_path: str, markdown_path: str) -> None:
+    """Rewrites `markdown_path` from the figures in `json_path`."""
+    with open(json_path) as f:
+        result = json.load(f)
+    with open(markdown_path, "w") as f:
+        f.write(markdown(result))
 
 
 def print_rows(rows: list[dict]) -> None:
