@@ -68,6 +68,7 @@ def test_offloaded_zoo_step_matches_jit(name):
   assert _step_error(_run(step, args), expected) <= 1e-5
 
 
+@pytest.mark.slow  # ~6 s each, on top of ~65 s for the six tests above
 @pytest.mark.parametrize("remat", ["nothing_saveable", "offload"])
 def test_rematerialised_zoo_step_matches_plain(remat):
   # The U-Net: BatchNorm statistics updated inside nn.remat, and decoder
