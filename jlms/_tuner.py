@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from jlms._config import OffloadConfig
-from jlms._liveness import Liveness
+from jlms._liveness import Liveness, largest_equation
 from jlms._plan import format_bytes
 from jlms._planner import Offload, candidates, plan_offloads
 from jlms._program import Program
@@ -243,19 +243,6 @@ def tune(program: Program, liveness: Liveness, budget_bytes: int,
            best.config.min_bytes, best.config.swapout_threshold)
   return (Tuning(budget_bytes, baseline.peak_bytes, best, trials, seconds),
           evaluator.offloads[best.config])
-
-
-def largest_equation(program: Program, liveness: Liveness) -> tuple[int, int]:
-  """(index, bytes of inputs and outputs) of the equation touching the most
-  bytes; (-1, 0) for an empty program."""
-  best_index, best_bytes = -1, 0
-  for index, equation in enumerate(program.equations):
-    touched = {a for a in equation.inputs if isinstance(a, int)}
-    touched.update(equation.outputs)
-    size = sum(liveness.nbytes[v] for v in touched)
-    if size > best_bytes:
-      best_index, best_bytes = index, size
-  return best_index, best_bytes
 
 
 def _budget_error(program, liveness, budget_bytes, baseline,
