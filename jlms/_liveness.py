@@ -98,3 +98,13 @@ def largest_equation(program: Program, liveness: Liveness) -> tuple[int, int]:
     if size > best_bytes:
       best_index, best_bytes = index, size
   return best_index, best_bytes
+
+
+def is_expansion(program: Program, liveness: Liveness, value: int) -> bool:
+  """Whether `value` is made from inputs at least 4 times smaller (a
+  broadcast, an iota, a fill): cheap to recompute wherever it is read, and
+  not worth a buffer of its own."""
+  equation = program.equations[liveness.producer[value]]
+  inputs = sum(liveness.nbytes[a] for a in equation.inputs
+               if isinstance(a, int))
+  return 4 * inputs <= liveness.nbytes[value]

@@ -142,10 +142,8 @@ def _with_host_outputs(eqn, positions: list[int]):
   eqns = list(jaxpr.eqns)
   outvars = list(jaxpr.outvars)
   for position in positions:
-    slice_var = outvars[position]
+    slice_var = outvars[position]  # a var or a literal: both copy alike
     host_var = _compat.new_var(_host(slice_var.aval))
-    if isinstance(slice_var, _compat.Literal):
-      continue  # a constant slice: nothing to free on the device
     eqns.append(_compat.device_put_equation(
         slice_var, host_var, True, eqn, "jlms_scan_swap_out"))
     outvars[position] = host_var

@@ -19,7 +19,7 @@ import dataclasses
 
 from jlms import _compat
 from jlms._config import OffloadConfig
-from jlms._liveness import Liveness
+from jlms._liveness import Liveness, is_expansion
 from jlms._program import Program
 
 
@@ -68,15 +68,7 @@ def candidates(program: Program, liveness: Liveness, min_bytes: int,
           if nbytes >= min_bytes and liveness.producer[value] >= 0
           and is_offloadable(program.avals[value])
           and not (materialized is not None and not materialized[value]
-                   and _is_broadcast(program, liveness, value))]
-
-
-def _is_broadcast(program: Program, liveness: Liveness, value: int) -> bool:
-  """Whether `value` is made from inputs at least 4 times smaller."""
-  equation = program.equations[liveness.producer[value]]
-  inputs = sum(liveness.nbytes[a] for a in equation.inputs
-               if isinstance(a, int))
-  return 4 * inputs <= liveness.nbytes[value]
+                   and is_expansion(program, liveness, value))]
 
 
 def _before_relayouts(program: Program, offload: Offload) -> Offload:

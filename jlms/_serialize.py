@@ -37,9 +37,7 @@ def parse_serialize(items) -> tuple:
     items = (items,)
   parsed = []
   for item in items:
-    if isinstance(item, str):
-      parsed.append(item)
-    elif isinstance(item, range):
+    if isinstance(item, (str, range)):
       parsed.append(item)
     elif (isinstance(item, tuple) and len(item) == 2
           and all(isinstance(i, int) for i in item)):
@@ -57,10 +55,8 @@ def serialized_equations(program: Program, liveness: Liveness,
   """Indices of the equations to chain (see the module docstring).
   `runs_in_place[i]` says whether equation `i`'s work happens where it
   stands (`Fusion.executes_at[i] == i`)."""
-  patterns = [p if any(c in p for c in "*?[") else f"*{p}*"
-              for p in serialize if isinstance(p, str)]
-  patterns = [p if p.startswith("*") else "*" + p for p in patterns]
-  patterns = [p if p.endswith("*") else p + "*" for p in patterns]
+  # A pattern matches anywhere in the name ("**" matches as "*" does).
+  patterns = [f"*{p}*" for p in serialize if isinstance(p, str)]
   ranges = [r for r in serialize if isinstance(r, range)]
   chosen = set()
   for index, equation in enumerate(program.equations):

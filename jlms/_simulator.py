@@ -34,7 +34,7 @@ import dataclasses
 import numpy as np
 
 from jlms import _compat
-from jlms._liveness import Liveness, analyse, aval_nbytes
+from jlms._liveness import Liveness, analyse, aval_nbytes, is_expansion
 from jlms._planner import Offload
 from jlms._program import Program, flatten
 
@@ -94,8 +94,8 @@ def analyse_fusion(program: Program, liveness: Liveness,
       continue
     if reads[-1] >= n:
       continue  # a step output
-    if not all(takes_fused[r] or (has_body[r] and _is_expansion(
-        equations[made_by], value, liveness)) for r in reads):
+    if not all(takes_fused[r] or (has_body[r] and is_expansion(
+        program, liveness, value)) for r in reads):
       continue
     if len(reads) > 1 and expensive[made_by]:
       continue
@@ -129,14 +129,6 @@ def analyse_fusion(program: Program, liveness: Liveness,
   for value in program.invars:
     last_read[value] = last_read_of(value)
   return Fusion(materialized, last_read, executes_at)
-
-
-def _is_expansion(equation, value: int, liveness: Liveness) -> bool:
-  """Whether `value` is made from inputs at least 4 times smaller (a
-  broadcast, an iota, a fill): cheap to recompute wherever it is read."""
-  inputs = sum(liveness.nbytes[a] for a in equation.inputs
-               if isinstance(a, int))
-  return 4 * inputs <= liveness.nbytes[value]
 
 
 def _swap_in_end(swap_in, executes_at) -> int:
