@@ -29,6 +29,15 @@ _SEED = 0
 _SGD_LEARNING_RATE = 1e-2
 
 
+def cross_entropy(logits, labels):
+    """Mean softmax cross-entropy against integer labels, through a one-hot
+    product: optax's integer-label form gathers (and its gradient scatters)
+    along the class axis, which JAX 0.11+ refuses under explicit sharding
+    ("ShardingTypeError ... scatter")."""
+    one_hot = jax.nn.one_hot(labels, logits.shape[-1], dtype=logits.dtype)
+    return optax.softmax_cross_entropy(logits, one_hot).mean()
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCase:
     """A train step together with builders of its concrete and abstract inputs."""
@@ -147,7 +156,7 @@ def resnet_case(
         logits, updated = model.apply(
             {"params": params, "batch_stats": batch_stats}, images, mutable=["batch_stats"]
         )
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        loss = cross_entropy(logits, labels)
         return loss, updated["batch_stats"]
 
     def step(params, batch_stats, opt_state, images, labels):
@@ -257,7 +266,7 @@ def gpt_case(
     def loss_fn(params, tokens):
         logits = model.apply({"params": params}, tokens[:, :-1])
         targets = tokens[:, 1:]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        return cross_entropy(logits, targets)
 
     def step(params, opt_state, tokens):
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens)

@@ -4,16 +4,26 @@ jlms reads and re-emits jaxprs, which needs a few names that JAX does not
 promise to keep. Each is imported here, once, with a note on the versions it
 was checked against, so that a JAX upgrade touches this file alone.
 
-Checked with jax 0.10.2. Known breaks to watch (see STYLE.md):
-- `Primitive.get_bind_params` returns `(subfuns, params)` before 0.9.2 and the
-  params alone from 0.9.2 on; `bind_params` below accepts both.
+Supported: JAX 0.10.2 through 0.12.x, told apart by feature (which params
+an equation carries, which names exist), never by comparing version
+strings. Known breaks handled here:
 - The nested-jit primitive was `pjit_p` before it became `jit_p`; both are
   matched by object, never by name.
-- `ClosedJaxpr` merges into `Jaxpr` in 0.11; `jaxpr_parts` reads either.
+- A jit equation's `inline` param is a bool up to 0.10 and a `jax.Inline`
+  enum from 0.11 on (`bind_jit`).
+- A scan equation says how its inputs split into consts, carry and scanned
+  `xs` with `num_consts`/`num_carry` up to 0.10, and with the flat trees
+  `ft_in`/`ft_out` from 0.11 on (`scan_layout`).
+- `ClosedJaxpr` merges into `Jaxpr` in 0.12 (a `Jaxpr` carries its consts,
+  and `ClosedJaxpr` is an alias); `jaxpr_parts` reads either.
+
+Anything else unknown raises `UnsupportedJaxError`, which names the JAX
+version, rather than an `AttributeError` or `KeyError` from deep inside.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -31,6 +41,28 @@ JaxprEqn = _jex_core.JaxprEqn
 Primitive = _jex_core.Primitive
 
 _prims = _jex_core.primitives
+
+
+class UnsupportedJaxError(NotImplementedError):
+  """This JAX has changed an internal that jlms reads in a way jlms does not
+  know yet."""
+
+
+def _unsupported(what: str) -> UnsupportedJaxError:
+  return UnsupportedJaxError(
+      f"jlms does not know how to read {what} in JAX {jax.__version__} "
+      "(jlms supports JAX 0.10.2 through 0.12.x). Install a supported JAX, "
+      "e.g. pip install 'jax[cpu]==0.12.0.1', or report this to jlms.")
+
+
+def _param(eqn, name: str):
+  """`eqn.params[name]`, or a clear error naming the JAX version."""
+  try:
+    return eqn.params[name]
+  except KeyError:
+    raise _unsupported(
+        f"the {name!r} parameter of a {eqn.primitive} equation (it has "
+        f"{sorted(eqn.params)})") from None
 
 #: Call-like primitives whose body is inlined into the flat program: a nested
 #: `jax.jit` (named `jit` from 0.8, `pjit` before), `closed_call`, and the
@@ -115,6 +147,57 @@ def sub_jaxprs(eqn) -> list:
   return found
 
 
+@dataclasses.dataclass(frozen=True)
+class ScanLayout:
+  """How a scan equation's inputs and outputs split, and its body.
+
+  Inputs are `num_consts` consts, `num_carry` carries, then the scanned
+  `xs`; outputs are `num_carry` final carries, then the stacked `ys`.
+  """
+  num_consts: int
+  num_carry: int
+  length: int
+  reverse: bool
+  body: Any  # ClosedJaxpr (up to 0.11) or Jaxpr with consts (0.12)
+
+
+def scan_layout(eqn) -> ScanLayout:
+  """The `ScanLayout` of a scan equation, however this JAX spells it."""
+  params = eqn.params
+  if "num_carry" in params:  # up to 0.10
+    num_consts, num_carry = params["num_consts"], params["num_carry"]
+  elif "ft_in" in params:  # 0.11 on: flat trees of (consts, carry, xs)
+    try:
+      consts, carry, _ = params["ft_in"].unpack()
+    except (AttributeError, TypeError, ValueError) as error:
+      raise _unsupported(f"the scan's ft_in {params['ft_in']!r}") from error
+    num_consts, num_carry = len(consts), len(carry)
+  else:
+    raise _unsupported(f"a scan equation with params {sorted(params)}")
+  return ScanLayout(num_consts, num_carry, _param(eqn, "length"),
+                    _param(eqn, "reverse"), _param(eqn, "jaxpr"))
+
+
+def with_scan_body(eqn, body, **fields):
+  """Scan `eqn` with its body replaced (same input and output layout), and
+  the equation's `fields` (invars, outvars) replaced too."""
+  _param(eqn, "jaxpr")
+  return eqn.replace(params={**eqn.params, "jaxpr": body}, **fields)
+
+
+def with_call_body(eqn, body, name: str, **fields):
+  """Nested-jit `eqn` with its body and name replaced, and the equation's
+  `fields` replaced too."""
+  _param(eqn, "jaxpr")
+  return eqn.replace(params={**eqn.params, "jaxpr": body, "name": name},
+                     **fields)
+
+
+def call_body_closed(eqn):
+  """The body of a nested-jit equation as it is stored (closed)."""
+  return _param(eqn, "jaxpr")
+
+
 def is_fusible_equation(eqn) -> bool:
   """Whether XLA computes `eqn` inside the kernels that read its results:
   an elementwise or re-layout primitive, or a call of only such."""
@@ -141,18 +224,29 @@ def jaxpr_parts(closed_or_open) -> tuple[Any, list]:
 def call_body(eqn) -> tuple[Any, list]:
   """The inlinable body (open jaxpr, consts) of a call-like equation."""
   params = eqn.params
-  body = params["call_jaxpr"] if "call_jaxpr" in params else params["jaxpr"]
+  body = params["call_jaxpr"] if "call_jaxpr" in params else _param(eqn, "jaxpr")
   return jaxpr_parts(body)
+
+
+def call_name(eqn) -> str | None:
+  """The name a call-like equation gives its body (a nested jit's function
+  name), if it has one."""
+  name = eqn.params.get("name")
+  return name if isinstance(name, str) else None
+
+
+def remat_body(eqn) -> tuple[Any, list]:
+  """The body (open jaxpr, consts) of a `jax.checkpoint` equation."""
+  return jaxpr_parts(_param(eqn, "jaxpr"))
 
 
 def remat_barrier_positions(eqn) -> list[int]:
   """Inputs of a `jax.checkpoint` equation that its lowering passes through
   an optimization barrier (so that XLA cannot CSE the recomputation with
   the forward pass): those with `prevent_cse`, once differentiated."""
-  params = eqn.params
-  if not params.get("differentiated", False):
+  if not eqn.params.get("differentiated", False):
     return []
-  prevent_cse = params["prevent_cse"]
+  prevent_cse = _param(eqn, "prevent_cse")
   if isinstance(prevent_cse, bool):
     prevent_cse = (prevent_cse,) * len(eqn.invars)
   return [i for i, flag in enumerate(prevent_cse) if flag]
@@ -259,16 +353,23 @@ def call_template(closed) -> tuple[dict, Any] | None:
   if len(jaxpr.eqns) != 1 or not is_jit_primitive(jaxpr.eqns[0].primitive):
     return None
   params = jaxpr.eqns[0].params
-  return dict(params), params["jaxpr"].jaxpr.debug_info
+  return dict(params), jaxpr_parts(_param(jaxpr.eqns[0], "jaxpr"))[0].debug_info
+
+
+# The `inline` value that makes jit's staging rule copy a body's equations
+# into the caller rather than nest a call (which XLA's CPU pipeline does not
+# always see through): `True` up to 0.10, `jax.Inline.JAX_EARLY` from 0.11.
+_INLINE_INTO_CALLER = (jax.Inline.JAX_EARLY if hasattr(jax, "Inline")
+                       else True)
 
 
 def bind_jit(params: dict, closed, args) -> list:
   """Stages `closed` into the current trace on `args` with one bind, however
-  many equations it has. `inline=True` makes jit's staging rule copy the
-  equations into the caller rather than nest a call, which XLA's CPU
-  pipeline does not always see through."""
+  many equations it has, its equations copied into the caller."""
+  if "inline" not in params:
+    raise _unsupported("a jit equation without an 'inline' parameter")
   return _JIT_PRIMITIVES[0].bind(
-      *args, **{**params, "jaxpr": closed, "inline": True})
+      *args, **{**params, "jaxpr": closed, "inline": _INLINE_INTO_CALLER})
 
 
 def extend_name_stack(stack, name: str):
@@ -306,3 +407,47 @@ def check_jaxpr(closed) -> None:
 
 def is_device_put(eqn) -> bool:
   return eqn.primitive is device_put_p
+
+
+def _shape_size(shape) -> int:
+  size = 1
+  for dim in shape:
+    size *= int(dim)
+  return size
+
+
+def contraction_flops(eqn) -> float:
+  """Multiply-add FLOPs (2 per multiply-accumulate) of a `dot_general` or
+  `conv_general_dilated` equation; 0 for any other primitive."""
+  if eqn.primitive is _prims.dot_general_p:
+    (lhs_contracting, _), _ = _param(eqn, "dimension_numbers")
+    lhs_shape = eqn.invars[0].aval.shape
+    contracted = _shape_size(lhs_shape[d] for d in lhs_contracting)
+    return 2.0 * _shape_size(eqn.outvars[0].aval.shape) * contracted
+  if eqn.primitive is _prims.conv_general_dilated_p:
+    numbers = _param(eqn, "dimension_numbers")
+    rhs_shape = eqn.invars[1].aval.shape
+    out_features_dim = numbers.rhs_spec[0]
+    # Each output element accumulates over one kernel window of the input
+    # features of its group: the kernel's size per output feature.
+    per_output = _shape_size(rhs_shape) // max(int(rhs_shape[out_features_dim]), 1)
+    return 2.0 * _shape_size(eqn.outvars[0].aval.shape) * per_output
+  return 0.0
+
+
+def contraction_is_full_precision(eqn) -> bool:
+  """Whether a float32 contraction asked for HIGHEST precision (no TF32)."""
+  precision = eqn.params.get("precision")
+  return "HIGHEST" in str(precision)
+
+
+def is_convolution(eqn) -> bool:
+  return eqn.primitive is _prims.conv_general_dilated_p
+
+
+def loop_trip_count(eqn) -> int | None:
+  """Iterations of a loop equation: a scan's length; None for a `while`
+  (unknown) and for anything else."""
+  if eqn.primitive is scan_p:
+    return int(scan_layout(eqn).length)
+  return None

@@ -49,14 +49,14 @@ class ScanResidual:
 
 def _scanned_inputs(equation: Equation) -> range:
   """Positions, among a scan equation's inputs, of its scanned `xs`."""
-  params = equation.eqn.params
-  return range(params["num_consts"] + params["num_carry"],
-               len(equation.inputs))
+  layout = _compat.scan_layout(equation.eqn)
+  return range(layout.num_consts + layout.num_carry, len(equation.inputs))
 
 
 def _stacked_outputs(equation: Equation) -> range:
   """Positions, among a scan equation's outputs, of its stacked `ys`."""
-  return range(equation.eqn.params["num_carry"], len(equation.outputs))
+  return range(_compat.scan_layout(equation.eqn).num_carry,
+               len(equation.outputs))
 
 
 def _is_scan(equation: Equation) -> bool:
@@ -137,7 +137,7 @@ def _host(aval):
 def _with_host_outputs(eqn, positions: list[int]):
   """The scan `eqn` whose body copies its stacked outputs at `positions`
   to host as each iteration makes them."""
-  body = eqn.params["jaxpr"]
+  body = _compat.scan_layout(eqn).body
   jaxpr = body.jaxpr
   eqns = list(jaxpr.eqns)
   outvars = list(jaxpr.outvars)
@@ -156,14 +156,13 @@ def _with_host_outputs(eqn, positions: list[int]):
     new_outvars[position] = (
         _compat.new_dropvar(_host(old.aval))
         if isinstance(old, _compat.DropVar) else _compat.new_var(_host(old.aval)))
-  return eqn.replace(params={**eqn.params, "jaxpr": new_body},
-                     outvars=new_outvars)
+  return _compat.with_scan_body(eqn, new_body, outvars=new_outvars)
 
 
 def _with_host_inputs(eqn, positions: list[int]):
   """The scan `eqn` whose scanned inputs at `positions` are host stacks:
   its body copies each iteration's slice to the device first."""
-  body = eqn.params["jaxpr"]
+  body = _compat.scan_layout(eqn).body
   jaxpr = body.jaxpr
   invars = list(jaxpr.invars)
   copies = []
@@ -179,8 +178,7 @@ def _with_host_inputs(eqn, positions: list[int]):
   new_invars = list(eqn.invars)
   for position in positions:
     new_invars[position] = _compat.new_var(_host(new_invars[position].aval))
-  return eqn.replace(params={**eqn.params, "jaxpr": new_body},
-                     invars=new_invars)
+  return _compat.with_scan_body(eqn, new_body, invars=new_invars)
 
 
 def _prefetching_reader(eqn, positions: list[int]):
@@ -195,10 +193,9 @@ def _prefetching_reader(eqn, positions: list[int]):
   copies are then cut off, so that the call takes the host stacks as its
   inputs.
   """
-  params = eqn.params
-  num_consts, num_carry = params["num_consts"], params["num_carry"]
-  length, reverse = params["length"], params["reverse"]
-  body = params["jaxpr"]
+  layout = _compat.scan_layout(eqn)
+  num_consts, num_carry = layout.num_consts, layout.num_carry
+  length, reverse, body = layout.length, layout.reverse, layout.body
   host_positions = set(positions)
   scanned = range(num_consts + num_carry, len(eqn.invars))
   others = [p for p in scanned if p not in host_positions]
@@ -237,7 +234,7 @@ def _prefetching_reader(eqn, positions: list[int]):
                   for v in eqn.invars]
   traced = jax.make_jaxpr(jax.jit(call))(*device_avals)
   outer = traced.jaxpr.eqns[0]
-  inner = outer.params["jaxpr"]
+  inner = _compat.call_body_closed(outer)
   jaxpr = inner.jaxpr
   cut = {}
   for candidate in jaxpr.eqns:
@@ -253,8 +250,6 @@ def _prefetching_reader(eqn, positions: list[int]):
   new_invars = list(eqn.invars)
   for position in positions:
     new_invars[position] = _compat.new_var(_host(new_invars[position].aval))
-  return outer.replace(
-      params={**outer.params, "jaxpr": new_inner,
-              "name": "jlms_prefetching_scan"},
-      invars=new_invars, outvars=list(eqn.outvars),
-      source_info=eqn.source_info, ctx=eqn.ctx)
+  return _compat.with_call_body(
+      outer, new_inner, "jlms_prefetching_scan", invars=new_invars,
+      outvars=list(eqn.outvars), source_info=eqn.source_info, ctx=eqn.ctx)

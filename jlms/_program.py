@@ -87,7 +87,8 @@ def flatten(closed_jaxpr, inline_calls: bool = True) -> Program:
       stack = name_stack + eqn.source_info.name_stack
       if inline_calls and eqn.primitive is _compat.remat_p:
         inputs = _barrier_remat_inputs(eqn, inputs, stack, new_id, equations)
-        results = walk(eqn.params["jaxpr"], [], inputs,
+        body, body_consts = _compat.remat_body(eqn)
+        results = walk(body, body_consts, inputs,
                        _compat.extend_name_stack(stack, "checkpoint"))
         for var, result in zip(eqn.outvars, results):
           env[var] = result
@@ -95,8 +96,9 @@ def flatten(closed_jaxpr, inline_calls: bool = True) -> Program:
       if inline_calls and _is_inlinable(eqn):
         body, body_consts = _compat.call_body(eqn)
         inner_stack = stack
-        if "name" in eqn.params:
-          inner_stack = _compat.extend_name_stack(stack, eqn.params["name"])
+        name = _compat.call_name(eqn)
+        if name is not None:
+          inner_stack = _compat.extend_name_stack(stack, name)
         results = walk(body, body_consts, inputs, inner_stack)
         for var, result in zip(eqn.outvars, results):
           env[var] = result

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
 import importlib.resources
 import importlib.util
 import os
@@ -53,8 +54,9 @@ class DevicelessUnavailableError(RuntimeError):
 
 _INSTALL_AOT_ADVICE = (
     "Install the deviceless-compilation extra: pip install 'jlms[aot]' "
-    "(it installs jax-cuda13-plugin, jax-cuda13-pjrt, nvidia-cuda-nvcc for "
-    "ptxas and nvidia-nvvm for libdevice)."
+    "(it installs jax-cuda13-plugin and jax-cuda13-pjrt of the installed "
+    "jax's version, nvidia-cuda-nvcc for ptxas and nvidia-nvvm for "
+    "libdevice)."
 )
 _SET_PLATFORMS_ADVICE = (
     "Set JAX_PLATFORMS=cpu in the environment before jax is first imported "
@@ -236,6 +238,9 @@ def _gpu_topology(target: str, topology: str) -> topologies.TopologyDescription:
         .joinpath(_GPU_TARGET_FILES[target])
         .read_text()
     )
+    mismatch = _plugin_version_mismatch()
+    if mismatch:
+        raise DevicelessUnavailableError(mismatch)
     try:
         description = topologies.get_topology_desc(
             platform="cuda", target_config=target_config, topology=topology
@@ -284,6 +289,30 @@ def _why_no_cuda_topology() -> str:
         f"imported: {_SET_PLATFORMS_ADVICE} Otherwise the plugin may be broken; "
         f"reinstall it. {_INSTALL_AOT_ADVICE}"
     )
+
+
+def _plugin_version_mismatch() -> str | None:
+    """What to install, when the CUDA plugin's version is not jaxlib's (a
+    plugin of another jaxlib fails to load, or compiles with another XLA)."""
+    import jaxlib
+
+    installed = jaxlib.__version__
+    for package in ("jax-cuda13-plugin", "jax-cuda13-pjrt",
+                    "jax-cuda12-plugin", "jax-cuda12-pjrt"):
+        try:
+            version = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if version != installed:
+            cuda = package.split("-")[1]
+            return (
+                f"{package} {version} does not match jaxlib {installed}: "
+                f"deviceless compilation needs the plugin of the same version. "
+                f"Install it with pip install 'jax[{cuda}-local]=="
+                f"{jax.__version__}' (or pip install -e '.[aot]' in jlms's "
+                "folder, which matches it to the installed jax)."
+            )
+    return None
 
 
 def _cuda_plugin_installed() -> bool:

@@ -13,7 +13,7 @@ from jlms._liveness import analyse
 from jlms._loops import find_scan_residuals, offload_scan_residuals
 from jlms._program import flatten
 from jlms._rewrite import rewrite
-from jlms_tests.conftest import max_relative_error
+from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
 
 _EAGER = dict(min_bytes=1, swapout_threshold=4)
 
@@ -34,15 +34,16 @@ def test_residuals_are_the_forward_scans_stacks_read_by_the_backward_scan():
   for residual in residuals:
     producer = program.equations[residual.producer]
     assert producer.primitive is _compat.scan_p
-    assert not producer.eqn.params["reverse"]  # the forward scan
+    assert not _compat.scan_layout(producer.eqn).reverse  # the forward scan
     for reader in residual.readers:
-      assert program.equations[reader].eqn.params["reverse"]
+      assert _compat.scan_layout(program.equations[reader].eqn).reverse
     assert program.avals[residual.value].shape[0] == 3  # one slice a layer
 
   streamed = offload_scan_residuals(program, residuals)
   for residual in residuals:
     assert _compat.is_host_aval(streamed.avals[residual.value])
-    body = streamed.equations[residual.producer].eqn.params["jaxpr"].jaxpr
+    body = _compat.scan_layout(
+        streamed.equations[residual.producer].eqn).body.jaxpr
     position = program.equations[residual.producer].outputs.index(
         residual.value)
     assert _compat.is_host_aval(body.outvars[position].aval)
@@ -85,7 +86,7 @@ def test_fori_loop_step_streams_and_matches_jit():
   offloaded = jlms.offload(step, **_EAGER)
   assert any(v.streamed for v in offloaded.plan(params, x).offloaded)
   assert max_relative_error(offloaded(params, x),
-                            jax.jit(step)(params, x)) <= 1e-6
+                            jax.jit(step)(params, x)) <= F32_TOLERANCE
 
 
 def test_checkpoint_is_inlined_behind_its_cse_barrier():
@@ -101,7 +102,7 @@ def test_checkpoint_is_inlined_behind_its_cse_barrier():
   assert _compat.remat_p not in primitives  # analysed through
   assert primitives.count(_compat.barrier_p) == 2  # one per recomputation
   assert max_relative_error(jlms.offload(step, **_EAGER)(w, x),
-                            jax.jit(step)(w, x)) <= 1e-6
+                            jax.jit(step)(w, x)) <= F32_TOLERANCE
 
 
 def test_backward_scan_fetches_the_next_iterations_slices_ahead():
@@ -118,11 +119,12 @@ def test_backward_scan_fetches_the_next_iterations_slices_ahead():
     eqn = streamed.equations[reader].eqn
     if prefetch:
       # A call of a scan that carries the fetched slices on the device.
-      assert eqn.params["name"] == "jlms_prefetching_scan"
-      inner = eqn.params["jaxpr"].jaxpr
+      assert _compat.call_name(eqn) == "jlms_prefetching_scan"
+      inner, _ = _compat.call_body(eqn)
       (scan,) = [e for e in inner.eqns if e.primitive is _compat.scan_p]
-      carried = [v.aval for v in scan.params["jaxpr"].jaxpr.invars[
-          scan.params["num_consts"]:][:scan.params["num_carry"]]]
+      layout = _compat.scan_layout(scan)
+      carried = [v.aval for v in layout.body.jaxpr.invars[
+          layout.num_consts:][:layout.num_carry]]
       slices = {program.avals[r.value].shape[1:] for r in residuals}
       assert sum(a.shape in slices and not _compat.is_host_aval(a)
                  for a in carried) >= len(residuals)

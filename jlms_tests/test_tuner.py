@@ -8,7 +8,7 @@ import pytest
 
 import jlms
 from benchmarks import models
-from jlms import _tuner
+from jlms import _compat, _tuner
 from jlms._compat import is_device_put
 from jlms._tuner import parse_budget
 
@@ -54,8 +54,8 @@ def _equations(step, args):
   closed = jax.make_jaxpr(step)(*args)
   equations = list(closed.jaxpr.eqns)
   for eqn in closed.jaxpr.eqns:
-    if "jaxpr" in eqn.params:
-      equations += list(eqn.params["jaxpr"].jaxpr.eqns)
+    if _compat.is_jit_primitive(eqn.primitive):
+      equations += list(_compat.call_body(eqn)[0].eqns)
   return equations
 
 

@@ -9,7 +9,7 @@ from jax.flatten_util import ravel_pytree
 
 import jlms
 from benchmarks import many_models, zoo
-from jlms_tests.conftest import max_relative_error
+from jlms_tests.conftest import fast_cpu_compile_options, max_relative_error
 
 # The smallest structure of each network that keeps every kind of unit it
 # has (stem, each block type, reductions, the scanned layer). The classifiers
@@ -26,12 +26,6 @@ TINY = {
                 vocab=256),
 }
 
-# A third of the CPU compile time: LLVM optimisation off and XLA's older
-# loop emitters instead of its MLIR fusion emitters. The HLO passes, where
-# host copies and barriers could be lost or reordered, run as always.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0,
-                 "xla_cpu_use_fusion_emitters": False}
-
 
 def _tiny_case(name, remat=None):
   structure = dict(TINY[name])
@@ -40,7 +34,7 @@ def _tiny_case(name, remat=None):
 
 
 def _run(jitted, args=()):
-  return jitted.lower(*args).compile(compiler_options=_FAST_COMPILE)(*args)
+  return jitted.lower(*args).compile(compiler_options=fast_cpu_compile_options())(*args)
 
 
 def _step_error(actual, expected) -> float:
