@@ -112,7 +112,13 @@ FUSIBLE_PRIMITIVES = _primitives(
     "round_p", "rsqrt_p", "select_n_p", "shift_left_p",
     "shift_right_arithmetic_p", "shift_right_logical_p", "sign_p", "sin_p",
     "slice_p", "sqrt_p", "square_p", "squeeze_p", "stop_gradient_p", "sub_p",
-    "tan_p", "tanh_p", "transpose_p", "xor_p")
+    "tan_p", "tanh_p", "transpose_p", "xor_p",
+    # inverse and hyperbolic trigonometry, bit tricks, special functions
+    "acos_p", "acosh_p", "asin_p", "asinh_p", "atan_p", "atanh_p", "cosh_p",
+    "sinh_p", "clz_p", "population_count_p", "nextafter_p", "conj_p",
+    "complex_p", "lgamma_p", "digamma_p",
+    # new in JAX 0.12: tanh's derivative is `one_minus_square(tanh(x))`
+    "log2_p", "one_minus_square_p", "polynomial_p")
 
 #: Reductions: XLA fuses elementwise producers into a reduction kernel, whose
 #: (small) result is a buffer.
@@ -125,7 +131,9 @@ REDUCTION_PRIMITIVES = _primitives(
 EXPENSIVE_PRIMITIVES = _primitives(
     "atan2_p", "cos_p", "erf_inv_p", "erf_p", "erfc_p", "exp2_p", "exp_p",
     "expm1_p", "log1p_p", "log_p", "logistic_p", "pow_p", "rsqrt_p", "sin_p",
-    "sqrt_p", "tan_p", "tanh_p", "div_p", "rem_p")
+    "sqrt_p", "tan_p", "tanh_p", "div_p", "rem_p", "acos_p", "acosh_p",
+    "asin_p", "asinh_p", "atan_p", "atanh_p", "cosh_p", "sinh_p", "lgamma_p",
+    "digamma_p", "log2_p")
 
 
 #: Call-like primitives whose body XLA inlines: an equation of one of them is
@@ -439,6 +447,14 @@ def contraction_is_full_precision(eqn) -> bool:
   """Whether a float32 contraction asked for HIGHEST precision (no TF32)."""
   precision = eqn.params.get("precision")
   return "HIGHEST" in str(precision)
+
+
+def is_recomputable(eqn) -> bool:
+  """Whether `eqn` can be emitted a second time with the same result: a
+  pure equation of one primitive (no effects, no body, not a copy between
+  memories or a barrier)."""
+  return (not eqn.effects and not sub_jaxprs(eqn)
+          and eqn.primitive not in (device_put_p, barrier_p))
 
 
 def is_convolution(eqn) -> bool:

@@ -15,6 +15,8 @@ program places in host memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import numpy as np
 
@@ -39,12 +41,20 @@ def aval_nbytes(aval) -> int:
   """Bytes one device holds of an array of abstract value `aval`: its shard
   when the aval carries an explicit sharding, else the whole array (0 when
   it has no layout)."""
+  try:
+    return _aval_nbytes(aval)
+  except TypeError:  # an unhashable aval: the same sum, uncached
+    return _aval_nbytes.__wrapped__(aval)
+
+
+@functools.lru_cache(maxsize=4096)
+def _aval_nbytes(aval) -> int:
+  # Cached: a step has tens of thousands of values of a few hundred types.
   shape = getattr(aval, "shape", None)
   dtype = getattr(aval, "dtype", None)
   if shape is None or dtype is None or _compat.is_extended_dtype(dtype):
     return 0
-  shape = device_shape(aval)
-  return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+  return math.prod(device_shape(aval)) * np.dtype(dtype).itemsize
 
 
 def analyse(program: Program) -> Liveness:

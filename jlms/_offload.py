@@ -27,6 +27,7 @@ import numpy as np
 from jlms import _compat
 from jlms._config import OffloadConfig, SyncMode
 from jlms._liveness import analyse, largest_equation
+from jlms._loop_remat import loop_rematerializations, rematerialize_in_loops
 from jlms._loops import find_scan_residuals, offload_scan_residuals
 from jlms._plan import Plan, build_plan
 from jlms._planner import Offload, plan_offloads
@@ -35,14 +36,40 @@ from jlms._rewrite import rewrite
 from jlms._sharding import abstract_arguments, unseen_split
 from jlms._serialize import serialized_equations
 from jlms._simulator import analyse_fusion, simulate
-from jlms._plan import format_bytes
-from jlms._tuner import BudgetError, Tuning, parse_budget, tune
+from jlms._units import format_bytes
+from jlms._budget import BudgetError, parse_budget
+from jlms._cost import kernel_seconds, time_target
+from jlms._fit import fit
+from jlms._placement import place_fused_at_readers
+from jlms._schedule import predict_step_time
 from jlms._xla_memory import target_memory_bytes, xla_memory
 
 _CACHE_SIZE = 32
+
+# What `budget` can be besides bytes or a size: TFLMS's knobs apply as given
+# (`KNOBS`, when knobs are passed and no budget), fit the memory of the
+# device the step is compiled for (`DEVICE`, the default), or use as little
+# device memory as jlms can reach (`MINIMUM`).
+KNOBS = "knobs"
+DEVICE = "device"
+MINIMUM = "min"
 _CONFIRMATIONS = 4  # XLA compiles at most, when fitting a budget
 
 log = logging.getLogger("jlms")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Analysed:
+  """A flat program with its liveness and fusion (analysed once, read by
+  the planner, the simulator, the time model and the rewrite)."""
+  program: Program
+  liveness: Any
+  fusion: Any
+
+  @classmethod
+  def of(cls, program: Program) -> "_Analysed":
+    liveness = analyse(program)
+    return cls(program, liveness, analyse_fusion(program, liveness))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +95,8 @@ class OffloadedStep:
 
   def __init__(self, fun: Callable, config: OffloadConfig, *,
                static_argnums=(), static_argnames=(), donate_argnums=(),
-               donate_argnames=(), verify=None, budget=None, target=None):
+               donate_argnames=(), verify=None, budget=DEVICE, target=None,
+               min_bytes_given=None):
     if not callable(fun):
       raise TypeError(f"jlms.offload expects a callable, got {type(fun)}")
     functools.update_wrapper(self, fun)
@@ -87,7 +115,11 @@ class OffloadedStep:
     self._verified: set = set()
     self.budget = budget
     self.target = target
-    if budget is not None:
+    # The smallest value a budget's fit may move: the knob if given.
+    self._fit_min_bytes = min_bytes_given
+    if target is not None:
+      time_target(target)  # reject unknown targets now
+    if budget not in (KNOBS, DEVICE, MINIMUM):
       parse_budget(budget, lambda: 1)  # reject malformed budgets now
 
   def __repr__(self) -> str:
@@ -193,50 +225,81 @@ class OffloadedStep:
                  "static_argnums/static_argnames).")
       raise
     jit_params, debug_info = _compat.call_template(closed)
-    plain_program = flatten(closed)
-    plain_liveness = analyse(plain_program)
-    baseline = simulate(plain_program, plain_liveness)
-    # Scan residuals go to host slice by slice inside the loops; the
-    # top-level offloads are then planned around what is left.
+    plain = _Analysed.of(flatten(closed))
+    self._unchanged = _compat.call_body_closed(closed.jaxpr.eqns[0])
+    baseline = simulate(plain.program, plain.liveness, fusion=plain.fusion)
+    if self.budget is KNOBS:
+      analysis = self._apply_knobs(plain, baseline, jit_params, debug_info,
+                                   out_trees)
+    else:
+      analysis = self._fit_budget(plain, baseline, jit_params, debug_info,
+                                  leaves, out_trees)
+    self._analyses[key] = analysis
+    if len(self._analyses) > _CACHE_SIZE:
+      self._analyses.popitem(last=False)
+    return analysis, leaves
+
+  def _apply_knobs(self, plain, baseline, jit_params, debug_info,
+                   out_trees) -> _Analysis:
+    """TFLMS's rules with the expert's knobs, exactly: scan residuals
+    streamed, then every value far enough from its next read offloaded."""
+    plain_program, plain_liveness = plain.program, plain.liveness
     residuals = ()
     if self.config.scan_residuals:
       residuals = find_scan_residuals(plain_program, plain_liveness,
                                       self.config)
     program = offload_scan_residuals(plain_program, residuals)
     liveness = analyse(program)
-    if self.budget is None:
-      unforced = analyse_fusion(program, liveness)
-      offloads = plan_offloads(program, liveness, self.config,
-                               unforced.materialized)
-      rewritten = self._rewrite(program, liveness, offloads, self.config,
-                                debug_info)
-      extra = {}
-      config = self.config
-    else:
-      offloads, rewritten, config, extra = self._fit_budget(
-          program, liveness, baseline, jit_params, debug_info, plain_program,
-          plain_liveness, leaves)
-      if extra["tuning"].chosen is None and not offloads:
-        # It fits as it is: the plain program runs, scans untouched.
-        program, liveness, residuals = plain_program, plain_liveness, ()
-        rewritten = self._rewrite(program, liveness, (), config, debug_info)
-    timeline = simulate(program, liveness, offloads)
-    analysis = _Analysis(
-        program, offloads,
-        build_plan(program, liveness, offloads, config, baseline, timeline,
-                   residuals=residuals,
-                   serialized=len(_serialized(program, liveness, config)),
-                   **extra),
-        out_trees[-1], rewritten, jit_params)
-    self._analyses[key] = analysis
-    if len(self._analyses) > _CACHE_SIZE:
-      self._analyses.popitem(last=False)
-    return analysis, leaves
+    unforced = analyse_fusion(program, liveness)
+    offloads = plan_offloads(program, liveness, self.config,
+                             unforced.materialized)
+    forced = analyse_fusion(program, liveness,
+                            frozenset(o.value for o in offloads))
+    rewritten = self._rewrite(program, liveness, offloads, self.config,
+                              debug_info, forced)
+    timeline = simulate(program, liveness, offloads, forced)
+    plan = build_plan(
+        program, liveness, offloads, self.config, baseline, timeline,
+        residuals=residuals,
+        serialized=len(_serialized(program, liveness, self.config, forced)),
+        **self._step_times(plain, (program, liveness, forced), offloads,
+                           self.config.sync_mode, residuals))
+    return _Analysis(program, offloads, plan, out_trees[-1], rewritten,
+                     jit_params)
+
+  def _step_times(self, plain, planned=None, offloads=(),
+                  sync_mode=SyncMode.NONE, residuals=()) -> dict:
+    """Plan fields that predict, when asked, the step time of `jax.jit`'s
+    program and, given the `planned` (program, liveness, fusion), of the
+    plan's."""
+    target = time_target(self.target)
+    return dict(step_times=lambda: self._predict_times(
+        target, plain, planned, offloads, sync_mode, residuals),
+                time_target=target.name)
 
   @staticmethod
-  def _rewrite(program, liveness, offloads, config, debug_info):
-    fusion = analyse_fusion(program, liveness,
-                            frozenset(o.value for o in offloads))
+  def _predict_times(target, plain, planned, offloads, sync_mode, residuals):
+    # Priced with fused equations where XLA runs them, as `jlms._fit` does.
+    placed = _Analysed.of(place_fused_at_readers(
+        plain.program, plain.liveness, plain.fusion))
+    baseline = predict_step_time(
+        placed.program, placed.liveness,
+        kernel_seconds(placed.program, target, placed.fusion,
+                       placed.liveness), (), target)
+    step_time = baseline
+    if planned is not None:
+      program, liveness, fusion = planned
+      step_time = predict_step_time(
+          program, liveness,
+          kernel_seconds(program, target, fusion, liveness), offloads,
+          target, sync_mode, residuals)
+    return baseline, step_time
+
+  @staticmethod
+  def _rewrite(program, liveness, offloads, config, debug_info, fusion=None):
+    if fusion is None:
+      fusion = analyse_fusion(program, liveness,
+                              frozenset(o.value for o in offloads))
     return rewrite(program, offloads, config, debug_info, fusion=fusion,
                    serialized=_serialized(program, liveness, config, fusion))
 
@@ -254,46 +317,62 @@ class OffloadedStep:
     return xla_memory(jax.jit(program_fn), *abstract,
                       target=target).peak_bytes
 
-  def _fit_budget(self, program, liveness, baseline, jit_params, debug_info,
-                  plain_program, plain_liveness, leaves):
-    """Tune for the budget with the simulator, then confirm with XLA,
-    tightening the simulator's budget while XLA's peak does not fit.
-    `plain_program` is the step before its scan residuals were moved to
-    host: what runs if the step fits as it is. The budget is per device:
-    XLA compiles the step with the shardings of `leaves`."""
+  def _budget_bytes(self, target: str | None) -> int | None:
+    """The budget in bytes per device; None for "as little as jlms can" or
+    when there is no device to fit (a CPU and no target named)."""
+    if self.budget is MINIMUM:
+      return None
+    if self.budget is DEVICE:
+      if target is None:
+        return None
+      return target_memory_bytes(target)
+    return parse_budget(self.budget,
+                        lambda: target_memory_bytes(target or "local"))
+
+  def _fit_budget(self, plain, baseline, jit_params, debug_info, leaves,
+                  out_trees) -> _Analysis:
+    """The fastest plan whose peak fits the budget: `jlms._fit` chooses per
+    value with the simulator and the time model; XLA (on `target`, else on
+    the local GPU) confirms the peak, and the choice is made again for a
+    proportionally tighter budget while XLA's peak does not fit. The
+    budget is per device: XLA compiles the step with the shardings of
+    `leaves`."""
+    plain_program, plain_liveness = plain.program, plain.liveness
     target = self._confirm_target()
-    budget = parse_budget(
-        self.budget, lambda: target_memory_bytes(target or "local"))
-    avals = [program.avals[v] for v in program.invars]
+    budget = self._budget_bytes(target)
+    if self.budget is DEVICE and budget is None:
+      log.info("jlms: no GPU here and no target named: the step runs as "
+               "jax.jit's program")
+      return self._as_is(plain, baseline, jit_params, debug_info, out_trees,
+                         None, None)
+    avals = [plain_program.avals[v] for v in plain_program.invars]
     abstract = abstract_arguments(avals, leaves)
     log.info("jlms: the step has %d equations and %d values; its arguments "
-             "take %s", len(program), len(program.avals),
-             format_bytes(sum(liveness.nbytes[v] for v in program.invars)))
-    index, size = largest_equation(program, liveness)
-    if index >= 0:
-      log.info("jlms: the largest equation is %s (equation %d) with %s of "
-               "inputs and outputs", program.equations[index].readable_name(),
-               index, format_bytes(size))
-    searched = budget
-    measured = None
+             "take %s", len(plain_program), len(plain_program.avals),
+             format_bytes(sum(plain_liveness.nbytes[v]
+                              for v in plain_program.invars)))
     plain_peak = None
-    if target is not None and baseline.peak_bytes > budget:
-      # The simulator can overstate jax.jit's peak too: ask XLA before
-      # offloading a step that already fits.
-      plain = self._rewrite(plain_program, plain_liveness, (), self.config,
-                            debug_info)
-      plain_peak = self._xla_peak(jit_params, plain, abstract, target)
+    if budget is not None and baseline.peak_bytes <= budget and target is None:
+      log.info("jlms: the step fits %s as it is (predicted %s); nothing is "
+               "rewritten", format_bytes(budget),
+               format_bytes(baseline.peak_bytes))
+      return self._as_is(plain, baseline, jit_params, debug_info, out_trees,
+                         budget, None)
+    if budget is not None and target is not None:
+      # The simulator can be off either way: ask XLA before offloading.
+      as_is = self._rewrite(plain_program, plain_liveness, (), self.config,
+                            debug_info, plain.fusion)
+      plain_peak = self._xla_peak(jit_params, as_is, abstract, target)
       log.info("jlms: XLA's peak on %s without offloading: %s", target,
                format_bytes(plain_peak))
       if plain_peak <= budget:
-        log.info("jlms: the step fits without offloading; nothing is "
-                 "rewritten")
-        tuning = Tuning(budget, baseline.peak_bytes, None, (), 0.0)
-        return (), plain, self.config, dict(
-            budget_bytes=budget, tuning=tuning, xla_peak_bytes=plain_peak,
-            xla_target=target)
+        log.info("jlms: the step fits %s as it is; nothing is rewritten",
+                 format_bytes(budget))
+        return self._as_is(plain, baseline, jit_params, debug_info,
+                           out_trees, budget, (plain_peak, target))
+    searched = budget
     unseen = unseen_split(avals, leaves)
-    if unseen > 1:
+    if unseen > 1 and budget is not None:
       # Auto mesh axes: the simulator sizes whole arrays, XLA and the budget
       # one device's shards. Scale the budget by XLA's ratio of the two for
       # jax.jit's program, or, with no XLA to ask, by the arguments' split.
@@ -303,76 +382,114 @@ class OffloadedStep:
       log.info("jlms: the arguments are split %d ways but the step's values "
                "carry no sharding (Auto mesh axes); the simulator searches "
                "for a whole-step peak of %s", unseen, format_bytes(searched))
-    def try_most_eager(trial):
-      offloads = plan_offloads(program, liveness, trial.config,
-                               analyse_fusion(program, liveness).materialized)
-      rewritten = self._rewrite(program, liveness, offloads, trial.config,
-                                debug_info)
-      eager = self._xla_peak(jit_params, rewritten, abstract, target)
-      log.info("jlms: XLA's peak of the most eager setting: %s",
-               format_bytes(eager))
-      tuning = Tuning(budget, baseline.peak_bytes, trial, (trial,), 0.0)
-      return eager, offloads, rewritten, tuning
-
-    for _ in range(_CONFIRMATIONS):
+    times = time_target(self.target)
+    config = dataclasses.replace(self.config, sync_mode=SyncMode.NONE)
+    # Each way the step's loops can run (as they are, residuals remade
+    # inside the backward loops, residuals streamed through host) is fitted
+    # at the top level; the fastest that fits is confirmed with XLA.
+    fitted, last_error = [], None
+    for program, liveness, residuals, loops in self._programs_to_fit(plain):
+      fusion = (plain.fusion if program is plain_program
+                else analyse_fusion(program, liveness))
+      placed = _Analysed.of(place_fused_at_readers(program, liveness, fusion))
       try:
-        tuning, offloads = tune(program, liveness, searched, self.config,
-                                baseline)
+        result = fit(placed.program, placed.liveness, searched, times,
+                     self._min_bytes(searched), placed.fusion, residuals)
       except BudgetError as error:
-        smallest = getattr(error, "smallest", None)
-        if target is None or smallest is None:
-          raise
-        # The simulator sees nothing that fits (it overstates some steps,
-        # such as loop bodies' working memory); XLA may still accept the
-        # most eager setting.
-        eager, offloads, rewritten, tuning = try_most_eager(smallest)
-        if eager <= budget:
-          measured, config = eager, smallest.config
-          break
-        earlier = "" if measured is None else (
-            f"the plan the simulator predicted to fit has an XLA peak of "
-            f"{format_bytes(measured)}, and ")
-        raise BudgetError(
-            f"jlms: the step does not fit a budget of {format_bytes(budget)} "
-            f"on {target}: {earlier}the most eager setting has an XLA peak "
-            f"of {format_bytes(eager)}. {error}") from None
-      config = tuning.chosen.config if tuning.chosen else self.config
-      rewritten = self._rewrite(program, liveness, offloads, config,
-                                debug_info)
+        last_error = error
+        continue
+      log.info("jlms: %s: predicted %s", loops, result.step_time.describe())
+      # The fastest that fits; for the least memory, the smallest peak.
+      rank = ((result.timeline.peak_bytes, result.step_time.total_s)
+              if budget is None else (result.step_time.total_s,))
+      fitted.append((rank, len(fitted), placed, residuals, result))
+    if not fitted:
+      raise last_error
+    _, _, placed, residuals, result = min(fitted)
+    measured = None
+    for _ in range(_CONFIRMATIONS):
+      rewritten = rewrite(
+          placed.program, result.offloads, config, debug_info,
+          fusion=placed.fusion, pin_contractions=True,
+          serialized=_serialized(placed.program, placed.liveness, config,
+                                 placed.fusion))
       if target is None:
-        log.info("jlms: not confirmed with XLA (no GPU here and no target= "
-                 "named)")
         break
-
       measured = self._xla_peak(jit_params, rewritten, abstract, target)
       log.info("jlms: XLA's peak on %s: %s (budget %s)", target,
-               format_bytes(measured), format_bytes(budget))
-      if measured <= budget:
+               format_bytes(measured),
+               "none" if budget is None else format_bytes(budget))
+      if budget is None or measured <= budget:
         break
-      # The simulator was optimistic by measured/searched-peak: ask it for
-      # proportionally less and search again.
+      # The simulator was optimistic: ask it for proportionally less.
       searched = int(searched * budget / measured * 0.97)
-      log.warning("jlms: XLA's peak %s exceeds the budget %s; searching "
-                  "again for %s", format_bytes(measured), format_bytes(budget),
-                  format_bytes(searched))
+      log.info("jlms: searching again for a predicted peak of %s",
+               format_bytes(searched))
+      result = fit(placed.program, placed.liveness, searched, times,
+                   self._min_bytes(searched), placed.fusion, residuals)
     else:
-      # The re-searches kept landing just above the budget: the most eager
-      # setting the simulator saw is the last thing to ask XLA about.
-      most_eager = min(tuning.trials, key=lambda t: t.predicted_peak_bytes,
-                       default=None)
-      eager = None
-      if most_eager is not None:
-        eager, offloads, rewritten, tuning = try_most_eager(most_eager)
-      if eager is None or eager > budget:
-        raise BudgetError(
-            f"jlms: XLA's peak on {target} is {format_bytes(measured)}, "
-            f"above the budget of {format_bytes(budget)}, after "
-            f"{_CONFIRMATIONS} searches and the most eager setting; raise "
-            "the budget or lower min_bytes/prefetch_ahead")
-      measured, config = eager, most_eager.config
-    extra = dict(budget_bytes=budget, tuning=tuning, xla_peak_bytes=measured,
-                 xla_target=target if measured is not None else None)
-    return offloads, rewritten, config, extra
+      raise BudgetError(
+          f"jlms: XLA's peak on {target} is {format_bytes(measured)}, above "
+          f"the budget of {format_bytes(budget)}, after {_CONFIRMATIONS} "
+          "fits; raise the budget")
+    placed_liveness = placed.liveness
+    plan = build_plan(
+        placed.program, placed_liveness, result.offloads, config, baseline,
+        result.timeline, residuals=residuals, budget_bytes=budget,
+        fitted=True, xla_peak_bytes=measured,
+        xla_target=target if measured is not None else None,
+        step_times=lambda: (
+            self._predict_times(times, plain, None, (), None, ())[0],
+            result.step_time),
+        time_target=times.name)
+    return _Analysis(placed.program, result.offloads, plan, out_trees[-1],
+                     rewritten, jit_params)
+
+  def _min_bytes(self, budget: int | None) -> int:
+    """The smallest value worth a choice: the `min_bytes` knob if given,
+    else a 4096th of the budget (at least 4 KiB): smaller values cannot
+    change whether a step fits, only slow the search."""
+    if self._fit_min_bytes is not None:
+      return self._fit_min_bytes
+    return max(4096, (budget or 0) // 4096)
+
+  def _programs_to_fit(self, plain):
+    """(program, liveness, streamed residuals, description) of each way the
+    step's scans can run: as they are; with the residuals a forward scan
+    stacks for a backward one remade inside the backward loop; streamed
+    through host one slice per iteration."""
+    plain_program, plain_liveness = plain.program, plain.liveness
+    yield plain_program, plain_liveness, (), "loops as they are"
+    if not self.config.scan_residuals:
+      return
+    pairs = loop_rematerializations(plain_program, plain_liveness)
+    if pairs:
+      program = rematerialize_in_loops(plain_program, pairs)
+      yield (program, analyse(program), (),
+             f"{len(pairs)} loops remaking their residuals")
+    residuals = find_scan_residuals(plain_program, plain_liveness,
+                                    dataclasses.replace(
+                                        self.config, swapout_threshold=2))
+    if residuals:
+      program = offload_scan_residuals(plain_program, residuals)
+      yield (program, analyse(program), residuals,
+             f"{len(residuals)} scan residuals streamed through host")
+
+  def _as_is(self, plain, baseline, jit_params, debug_info, out_trees, budget,
+             xla) -> _Analysis:
+    """jax.jit's program, unchanged, with its plan."""
+    rewritten = self._unchanged  # the step's own jaxpr, as traced
+    if self.config.serialize or self.config.serialize_by_size is not None:
+      rewritten = self._rewrite(plain.program, plain.liveness, (),
+                                self.config, debug_info, plain.fusion)
+    plan = build_plan(
+        plain.program, plain.liveness, (), self.config, baseline, baseline,
+        budget_bytes=budget, fitted=True,
+        xla_peak_bytes=None if xla is None else xla[0],
+        xla_target=None if xla is None else xla[1],
+        **self._step_times(plain))
+    return _Analysis(plain.program, (), plan, out_trees[-1], rewritten,
+                     jit_params)
 
   def _rewritten(self, *args, **kwargs):
     analysis, leaves = self._analysis(args, kwargs)
@@ -391,11 +508,11 @@ def _serialized(program, liveness, config, fusion=None) -> frozenset:
 
 
 def offload(fun: Callable | None = None, *,
-            min_bytes: int = OffloadConfig.min_bytes,
-            swapout_threshold: int = OffloadConfig.swapout_threshold,
-            prefetch_ahead: int = OffloadConfig.prefetch_ahead,
-            swapin_groupby: int | None = OffloadConfig.swapin_groupby,
-            sync_mode: int | SyncMode = OffloadConfig.sync_mode,
+            min_bytes: int | None = None,
+            swapout_threshold: int | None = None,
+            prefetch_ahead: int | None = None,
+            swapin_groupby: int | None = None,
+            sync_mode: int | SyncMode | None = None,
             scan_residuals: bool = OffloadConfig.scan_residuals,
             serialize=OffloadConfig.serialize,
             serialize_by_size: int | None = OffloadConfig.serialize_by_size,
@@ -462,17 +579,22 @@ def offload(fun: Callable | None = None, *,
     An `OffloadedStep`: call it like the step; `.lower(...)`, `.trace(...)`
     and `.plan(...)` inspect it.
   """
-  config = OffloadConfig(min_bytes=min_bytes,
-                         swapout_threshold=swapout_threshold,
-                         prefetch_ahead=prefetch_ahead,
-                         swapin_groupby=swapin_groupby, sync_mode=sync_mode,
-                         scan_residuals=scan_residuals, serialize=serialize,
+  knobs = dict(min_bytes=min_bytes, swapout_threshold=swapout_threshold,
+               prefetch_ahead=prefetch_ahead, swapin_groupby=swapin_groupby,
+               sync_mode=sync_mode)
+  given = {k: v for k, v in knobs.items() if v is not None}
+  if budget is None and given:
+    budget = KNOBS  # an expert's TFLMS knobs: exactly what they say
+  elif budget is None:
+    budget = DEVICE  # fit the device the step is compiled for
+  config = OffloadConfig(**given, scan_residuals=scan_residuals,
+                         serialize=serialize,
                          serialize_by_size=serialize_by_size)
   jit_options = dict(static_argnums=static_argnums,
                      static_argnames=static_argnames,
                      donate_argnums=donate_argnums,
                      donate_argnames=donate_argnames, verify=verify,
-                     budget=budget, target=target)
+                     budget=budget, target=target, min_bytes_given=min_bytes)
   if fun is None:
     return lambda f: OffloadedStep(f, config, **jit_options)
   return OffloadedStep(fun, config, **jit_options)

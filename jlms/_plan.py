@@ -8,7 +8,8 @@ Its `str()` reads like TFLMS's info log.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import functools
+from typing import Callable
 
 import numpy as np
 
@@ -18,17 +19,10 @@ from jlms._liveness import Liveness, aval_nbytes, largest_equation
 from jlms._loops import ScanResidual
 from jlms._planner import Offload
 from jlms._program import Program
+from jlms._schedule import StepTime
 from jlms._simulator import MemoryTimeline
+from jlms._units import format_bytes
 
-if TYPE_CHECKING:
-  from jlms._tuner import Tuning
-
-
-def format_bytes(n: float) -> str:
-  for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-    if abs(n) >= size:
-      return f"{n / size:.2f} {unit}"
-  return f"{int(n)} B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +45,18 @@ class OffloadedValue:
   # loops (`produced_at` and `swapped_out_after` are then the forward scan,
   # `prefetched_before` the scans that read it back).
   streamed: bool = False
+  # Made again before its far reads instead of copied (`prefetched_before`
+  # are then where it is remade); nothing of it goes to host.
+  recomputed: bool = False
 
   @property
   def swap_ins(self) -> int:
     return len(self.prefetched_before)
+
+  @property
+  def moved_bytes(self) -> int:
+    """Bytes this value sends over the host link, out and back."""
+    return 0 if self.recomputed else self.nbytes * (1 + self.swap_ins)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +80,31 @@ class Plan:
   live_at_peak: tuple[tuple[str, int], ...] = dataclasses.field(
       default=(), repr=False)
   budget_bytes: int | None = None
-  tuning: Tuning | None = dataclasses.field(default=None, repr=False)
   xla_peak_bytes: int | None = None  # XLA's peak of the chosen program
   xla_target: str | None = None
   serialized: int = 0  # equations chained by `serialize`
+  # The time model's view (see `jlms._schedule`) on `time_target`: a
+  # callable giving the predicted (jax.jit's, this plan's) `StepTime`s,
+  # evaluated when first asked for (a training loop never asks).
+  step_times: Callable[[], tuple[StepTime, StepTime]] | None = (
+      dataclasses.field(default=None, repr=False, compare=False))
+  time_target: str | None = None
+  # Chosen by `jlms._fit` for a budget, rather than by TFLMS's knobs.
+  fitted: bool = False
+
+  @functools.cached_property
+  def _predicted_times(self) -> tuple[StepTime | None, StepTime | None]:
+    return (None, None) if self.step_times is None else self.step_times()
+
+  @property
+  def baseline_step_time(self) -> StepTime | None:
+    """Predicted time of one step of `jax.jit(step)`'s program."""
+    return self._predicted_times[0]
+
+  @property
+  def step_time(self) -> StepTime | None:
+    """Predicted time of one step with this plan."""
+    return self._predicted_times[1]
 
   @property
   def baseline_peak_bytes(self) -> int | None:
@@ -99,14 +122,20 @@ class Plan:
     return None if self.timeline is None else self.timeline.host_peak_bytes
 
   @property
+  def recomputed(self) -> tuple[OffloadedValue, ...]:
+    """The values made again rather than copied."""
+    return tuple(v for v in self.offloaded if v.recomputed)
+
+  @property
   def offloaded_bytes(self) -> int:
     """Bytes copied to host (each offloaded value once)."""
-    return sum(v.nbytes for v in self.offloaded)
+    return sum(v.nbytes for v in self.offloaded if not v.recomputed)
 
   @property
   def prefetched_bytes(self) -> int:
     """Bytes copied back to the device (once per swap-in)."""
-    return sum(v.nbytes * v.swap_ins for v in self.offloaded)
+    return sum(v.nbytes * v.swap_ins for v in self.offloaded
+               if not v.recomputed)
 
   @property
   def host_traffic_bytes(self) -> int:
@@ -124,6 +153,7 @@ class Plan:
 
   def __str__(self) -> str:
     c = self.config
+    copied = [v for v in self.offloaded if not v.recomputed]
     lines = [
         f"jlms: the step has {self.num_equations} equations and "
         f"{self.num_values} values",
@@ -132,15 +162,22 @@ class Plan:
         f"jlms: the largest equation is {self.largest_equation} (equation "
         f"{self.largest_equation_index}) with "
         f"{format_bytes(self.largest_equation_bytes)} of inputs and outputs",
-        f"jlms: settings: min_bytes {c.min_bytes}, swapout_threshold "
-        f"{c.swapout_threshold}, prefetch_ahead {c.prefetch_ahead}, "
-        f"swapin_groupby {c.groupby}, sync_mode {int(c.sync_mode)}",
-        f"jlms: offloaded {len(self.offloaded)} values: "
-        f"{len(self.offloaded)} swap-outs "
+        ("jlms: chosen per value by the time model: keep, copy to host "
+         "while compute hides it, or recompute"
+         if self.fitted else
+         f"jlms: settings: min_bytes {c.min_bytes}, swapout_threshold "
+         f"{c.swapout_threshold}, prefetch_ahead {c.prefetch_ahead}, "
+         f"swapin_groupby {c.groupby}, sync_mode {int(c.sync_mode)}"),
+        f"jlms: offloaded {len(copied)} values: {len(copied)} swap-outs "
         f"({format_bytes(self.offloaded_bytes)}) and "
-        f"{sum(v.swap_ins for v in self.offloaded)} swap-ins "
+        f"{sum(v.swap_ins for v in copied)} swap-ins "
         f"({format_bytes(self.prefetched_bytes)})",
     ]
+    if self.recomputed:
+      lines.append(
+          f"jlms: recomputed {len(self.recomputed)} values "
+          f"({format_bytes(sum(v.nbytes for v in self.recomputed))}) before "
+          "their far reads instead of keeping them (marked +)")
     streamed = [v for v in self.offloaded if v.streamed]
     if streamed:
       lines.append(
@@ -156,9 +193,14 @@ class Plan:
           f" without offloading, {format_bytes(self.predicted_peak_bytes)} "
           f"with it; host {format_bytes(self.predicted_host_bytes)}")
     if self.budget_bytes is not None:
-      verdict = ("fits without offloading" if self.tuning is not None
-                 and self.tuning.chosen is None else "tuned to fit")
+      verdict = ("fits without offloading" if not self.offloaded
+                 else "fitted")
       lines.append(f"jlms: budget {format_bytes(self.budget_bytes)}: {verdict}")
+    if self.step_time is not None and self.baseline_step_time is not None:
+      lines.append(
+          f"jlms: predicted step time on {self.time_target}: jax.jit "
+          f"{self.baseline_step_time.describe()}; with this plan "
+          f"{self.step_time.describe()}")
     if self.xla_peak_bytes is not None:
       lines.append(f"jlms: XLA's peak on {self.xla_target}: "
                    f"{format_bytes(self.xla_peak_bytes)}")
@@ -169,7 +211,7 @@ class Plan:
       for v in shown:
         shape = f"{np.dtype(v.dtype).name}{list(v.shape)}"
         ins = ",".join(str(i) for i in v.prefetched_before)
-        name = ("*" if v.streamed else "") + v.name
+        name = ("*" if v.streamed else "+" if v.recomputed else "") + v.name
         lines.append(f"  {name[-48:]:<48} {shape[:22]:<22} "
                      f"{format_bytes(v.nbytes):>11} {v.produced_at:>6} "
                      f"{v.swapped_out_after:>6} {ins[:14]:>14}")
@@ -184,7 +226,7 @@ def build_plan(program: Program, liveness: Liveness,
                timeline: MemoryTimeline | None = None,
                residuals: tuple[ScanResidual, ...] = (), **extra) -> Plan:
   """The plan of `offloads` and of the scan `residuals` streamed through
-  host; `extra` sets the budget, tuning and XLA fields."""
+  host; `extra` sets the budget, time model and XLA fields."""
   largest_index, largest_bytes = largest_equation(program, liveness)
   largest_name = (program.equations[largest_index].readable_name()
                   if largest_index >= 0 else "none")
@@ -202,6 +244,7 @@ def build_plan(program: Program, liveness: Liveness,
         swapped_out_after=offload.swap_out_after,
         prefetched_before=tuple(s.issue_before for s in offload.swap_ins),
         used_at=tuple(r for s in offload.swap_ins for r in s.reads),
+        recomputed=offload.is_recompute,
     ))
   for residual in residuals:
     aval = program.avals[residual.value]

@@ -31,9 +31,24 @@ class SwapIn:
 
 @dataclasses.dataclass(frozen=True)
 class Offload:
+  """A value that leaves the device after its read `swap_out_after` and is
+  back for each `SwapIn`: copied to host and back, or, when `recompute`
+  names its producing equations, made again from values that are on the
+  device then anyway."""
   value: int
   swap_out_after: int
   swap_ins: tuple[SwapIn, ...]
+  # The equation before which the copy to host must have finished, so that
+  # the device buffer is free there; None: the next one (`SyncMode.SWAP_OUT`)
+  # or none at all (`SyncMode.NONE`), as the config says.
+  swap_out_done_before: int | None = None
+  # Equation indices, in program order, re-emitted before each swap-in
+  # instead of a copy back; () for a transfer.
+  recompute: tuple[int, ...] = ()
+
+  @property
+  def is_recompute(self) -> bool:
+    return bool(self.recompute)
 
 
 def is_offloadable(aval) -> bool:

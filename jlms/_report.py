@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jlms._plan import format_bytes
+from jlms._units import format_bytes
 
 if TYPE_CHECKING:
   from jlms._plan import Plan
@@ -84,7 +84,10 @@ def plot_plan(plan: Plan, ax=None, show_budget: bool = True):
   steps = np.arange(len(timeline.device_bytes))
 
   if plan.baseline is not None:
-    ax.plot(steps, plan.baseline.device_bytes / size, drawstyle="steps-post",
+    # jax.jit's program and the plan's may differ in length (loops remade,
+    # fused equations placed at their readers): each on its own equations.
+    ax.plot(np.arange(len(plan.baseline.device_bytes)),
+            plan.baseline.device_bytes / size, drawstyle="steps-post",
             color=_BASELINE_COLOR, linewidth=1.5,
             label="device, without offloading", gid="baseline")
     _annotate_peak(ax, plan.baseline, size, unit, "peak without",
@@ -218,24 +221,29 @@ def _summary_rows(plan: Plan) -> list[tuple[str, str]]:
   if plan.xla_peak_bytes is not None:
     rows.append((f"XLA's peak on {plan.xla_target}",
                  format_bytes(plan.xla_peak_bytes)))
-  chosen = plan.tuning is not None and plan.tuning.chosen is not None
-  rows.append(("settings" + (" (chosen by the tuner)" if chosen else ""),
-               f"min_bytes {c.min_bytes}, swapout_threshold "
-               f"{c.swapout_threshold}, prefetch_ahead {c.prefetch_ahead}, "
-               f"swapin_groupby {c.groupby}, sync_mode {int(c.sync_mode)}"))
-  if plan.tuning is not None:
-    rows.append(("tuning", f"{len(plan.tuning.trials)} trials in "
-                 f"{plan.tuning.seconds:.2f} s"))
+  if plan.step_time is not None and plan.baseline_step_time is not None:
+    rows += [
+        (f"predicted step time of jax.jit on {plan.time_target}",
+         plan.baseline_step_time.describe()),
+        (f"predicted step time with jlms on {plan.time_target}",
+         plan.step_time.describe()),
+    ]
+  if plan.fitted:
+    rows.append(("chosen", f"by the time model: {len(plan.recomputed)} "
+                 f"values recomputed, "
+                 f"{len(plan.offloaded) - len(plan.recomputed)} copied"))
+  else:
+    rows.append(("settings",
+                 f"min_bytes {c.min_bytes}, swapout_threshold "
+                 f"{c.swapout_threshold}, prefetch_ahead {c.prefetch_ahead}, "
+                 f"swapin_groupby {c.groupby}, sync_mode {int(c.sync_mode)}"))
   return rows
 
 
 def _verdict(plan: Plan) -> str:
   """Whether the step fits, by XLA's peak where known, else the
   simulator's."""
-  if plan.tuning is not None and plan.tuning.chosen is None:
-    how = "fits without offloading"
-  else:
-    how = "tuned to fit"
+  how = "fitted" if plan.offloaded else "fits without offloading"
   if plan.xla_peak_bytes is not None:
     peak, by = plan.xla_peak_bytes, f"XLA's peak on {plan.xla_target}"
   elif plan.predicted_peak_bytes is not None:

@@ -52,7 +52,8 @@ def _tieable(atom) -> bool:
 
 def rewrite(program: Program, offloads: tuple[Offload, ...],
             config: OffloadConfig, debug_info=None, transfers: bool = True,
-            fusion=None, serialized: frozenset = frozenset()):
+            fusion=None, serialized: frozenset = frozenset(),
+            pin_contractions: bool = False):
   """The closed jaxpr of `program` with `offloads` applied.
 
   `fusion` (from `jlms._simulator.analyse_fusion`, with the offloaded values
@@ -63,16 +64,30 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
   (which would give it a buffer, such as a broadcast zero the size of an
   attention matrix).
 
+  With `pin_contractions`, every matmul and convolution must also have run
+  before the next swap-in or recomputation: XLA's scheduler otherwise
+  leaves weight-gradient contractions to the end of the step, and each
+  holds its operands (a cotangent, an activation) alive until then, which
+  a plan made in jaxpr order does not expect.
+
   With `transfers=False` the same barriers are emitted but the values stay
   on the device: the schedule's constraints without the copies, which is
   how the benchmarks price the barriers alone.
   """
   swap_out_after = defaultdict(list)
   swap_in_before = defaultdict(list)
+  recompute_before = defaultdict(list)
   swapped_out_at = {}
+  done_before = {}  # value -> equation that waits for its copy to host
   for offload in offloads:
-    swap_out_after[offload.swap_out_after].append(offload.value)
     swapped_out_at[offload.value] = offload.swap_out_after
+    if offload.is_recompute:
+      for swap_in in offload.swap_ins:
+        recompute_before[swap_in.issue_before].append(offload)
+      continue
+    swap_out_after[offload.swap_out_after].append(offload.value)
+    if offload.swap_out_done_before is not None:
+      done_before[offload.value] = offload.swap_out_done_before
     for swap_in in offload.swap_ins:
       swap_in_before[swap_in.issue_before].append(offload.value)
 
@@ -131,19 +146,56 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
   end = len(program)
   anchor = program.equations[0].eqn if end else None
 
+  def recompute(offload, anchor) -> None:
+    """Re-emit `offload.recompute` from the current vars of its inputs,
+    which first go through a barrier with the latest equation's outputs:
+    XLA can neither hoist the recomputation nor merge it with the first."""
+    nonlocal offloaded_reader_outputs
+    chain = [program.equations[i] for i in offload.recompute]
+    made = {out for eq in chain for out in eq.outputs}
+    leaves = [a for a in dict.fromkeys(
+        a for eq in chain for a in eq.inputs if isinstance(a, int))
+              if a not in made and _tieable(env[a])]
+    # As for a swap-in: every reader of a value brought back earlier must
+    # have run, or XLA postpones them (weight gradients) to the step's end,
+    # each holding what it reads.
+    dependencies = [a for a in dict.fromkeys(
+        live(previous_outputs + offloaded_reader_outputs)) if a not in leaves]
+    offloaded_reader_outputs = []
+    tied = tie_to_inputs([env[a] for a in leaves], dependencies, anchor,
+                         "jlms_recompute")
+    local = dict(zip(leaves, tied))
+    for eq in chain:
+      outvars = []
+      for out_id, old in zip(eq.outputs, eq.eqn.outvars):
+        var = _compat.new_var(program.avals[out_id])
+        local[out_id] = var
+        outvars.append(var)
+      eqns.append(_compat.rebuilt_equation(
+          eq.eqn, [local[a] if a in local else read(a) for a in eq.inputs],
+          outvars, _compat.extend_name_stack(eq.name_stack,
+                                             "jlms_recompute")))
+    env[offload.value] = local[offload.value]
+
+  def live(ids):
+    # Ids whose current var may be read again: not stale device copies of
+    # swapped-out values (reading one would keep it alive).
+    return [a for a in ids if isinstance(a, int)
+            and swapped_out_at.get(a, end) >= current[0]]
+
+  current = [0]
   for index in range(end + 1):
+    current[0] = index
     equation = program.equations[index] if index < end else None
     if equation is not None:
       anchor = equation.eqn
     incoming = swap_in_before.get(index, ())
 
-    def live(ids):
-      # Ids whose current var may be read again: not stale device copies of
-      # swapped-out values (reading one would keep it alive).
-      return [a for a in ids if isinstance(a, int)
-              and swapped_out_at.get(a, end) >= index]
-
-    if pending_host:
+    # Copies to host due here: those of the previous equation, or those
+    # whose plan names this equation as the first that must find their
+    # device buffers freed (compute hid the copy until then).
+    due = [v for v in pending_host if done_before.get(v, index) <= index]
+    if due:
       next_inputs = [] if equation is None else [
           a for a in live(equation.inputs)
           if _tieable(env[a]) and has_buffer(a)]
@@ -152,15 +204,16 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
       runs_here = executes_at is None or equation is None or (
           executes_at[index] == index)
       waiting = (not next_inputs or not runs_here) and (
-          equation is not None and not set(incoming) & set(pending_host))
-      if not (sync_out and waiting):
+          equation is not None and not set(incoming) & set(due))
+      timed = any(v in done_before for v in due)
+      if not ((sync_out or timed) and waiting):
         # Without sync (or with nothing to wait) the barrier holds the host
         # copy alone, which is what keeps XLA from deleting the round trip.
-        tied = tie_to_inputs([host[v] for v in pending_host],
-                             next_inputs if sync_out else (), anchor,
-                             "jlms_swap_out")
-        host.update(zip(pending_host, tied))
-        pending_host = []
+        tied = tie_to_inputs([host[v] for v in due],
+                             next_inputs if sync_out or timed else (),
+                             anchor, "jlms_swap_out")
+        host.update(zip(due, tied))
+        pending_host = [v for v in pending_host if v not in due]
 
     if incoming:
       # The dependencies' later reads go through the barrier too: XLA prunes
@@ -180,6 +233,12 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
         tied = tie_to_inputs([env[v] for v in incoming], equation.inputs,
                              anchor, "jlms_swap_in")
         env.update(zip(incoming, tied))
+
+    # Remade in program order, so that one remade value read by another's
+    # recomputation is the new copy, not the original it replaces.
+    for offload in sorted(recompute_before.get(index, ()),
+                          key=lambda o: max(o.recompute)):
+      recompute(offload, anchor)
 
     if equation is None:
       break
@@ -207,7 +266,9 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
       if index in serialized:
         serial_outputs = made
     reads_offloaded = any(isinstance(a, int) and swapped_out_at.get(a, end)
-                          < index for a in equation.inputs)
+                          < index for a in equation.inputs) or (
+                              pin_contractions
+                              and _compat.contraction_flops(equation.eqn) > 0)
     # A re-layout of a reader's output stands in for it: XLA folds the two
     # together only if the barrier reads the re-laid-out value, not both.
     relayed = [a for a in equation.inputs if a in offloaded_reader_outputs]

@@ -141,6 +141,8 @@ def _swapped_out_at(value, offload, liveness, executes_at) -> int:
   """Where the device copy of an offloaded value dies: after the swap-out,
   or later if a read before the swap-out is fused into a later equation."""
   end = offload.swap_out_after
+  if offload.swap_out_done_before is not None:
+    end = max(end, offload.swap_out_done_before - 1)
   for read in liveness.uses[value]:
     if read > offload.swap_out_after:
       break
@@ -190,12 +192,14 @@ def fixed_bytes(program: Program, liveness: Liveness) -> int:
 def simulate(program: Program, liveness: Liveness,
              offloads: tuple[Offload, ...] = (),
              fusion: Fusion | None = None,
-             operands_fixed: bool = True) -> MemoryTimeline:
+             operands_fixed: bool = True,
+             working: np.ndarray | None = None) -> MemoryTimeline:
   """The predicted device and host memory of `program` run with `offloads`.
 
   `fusion` may be passed when it was computed with the offloaded values
   forced to buffers (the tuner reuses one for many plans); by default it is
-  computed here. With `operands_fixed=False` (a loop body's iteration)
+  computed here; so may `working`, the `body_working_bytes` of the
+  program. With `operands_fixed=False` (a loop body's iteration)
   the inputs exist from the start until their last read and the outputs
   from where they are made, rather than for the whole run.
   """
@@ -235,8 +239,9 @@ def simulate(program: Program, liveness: Liveness,
       for swap_in in offload.swap_ins:
         device[swap_in.issue_before] += size
         device[_swap_in_end(swap_in, executes_at) + 1] -= size
-    host[offload.swap_out_after] += size
-    host[offload.swap_ins[-1].issue_before + 1] -= size
+    if not offload.is_recompute:
+      host[offload.swap_out_after] += size
+      host[offload.swap_ins[-1].issue_before + 1] -= size
 
   for value, aval in enumerate(program.avals):
     if _compat.is_host_aval(aval) and liveness.uses[value]:
@@ -246,7 +251,8 @@ def simulate(program: Program, liveness: Liveness,
 
   fixed = fixed_bytes(program, liveness) if operands_fixed else 0
   device_bytes = np.cumsum(device)[: n + 1] + fixed
-  device_bytes[:n] += body_working_bytes(program)
+  device_bytes[:n] += (body_working_bytes(program) if working is None
+                       else working)
   host_bytes = np.cumsum(host)[: n + 1]
   peak_index = int(np.argmax(device_bytes))
   return MemoryTimeline(device_bytes, host_bytes, fixed, peak_index,

@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from jlms._plan import format_bytes
+from jlms._units import format_bytes
 
 # The device fields of `MemoryStats`, each named after its key in the dict
 # that `Device.memory_stats()` returns.

@@ -15,7 +15,8 @@ import warnings
 
 import jax
 
-from jlms._plan import Plan, format_bytes
+from jlms._plan import Plan
+from jlms._units import format_bytes
 from jlms._xla_memory import XlaMemory, xla_memory
 
 

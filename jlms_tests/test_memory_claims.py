@@ -7,6 +7,7 @@ never jlms's simulator.
 import pytest
 
 import jlms
+from jlms_tests.conftest import TFLMS_KNOBS
 from benchmarks import models
 from benchmarks.memory_table import trace_cost
 
@@ -23,7 +24,7 @@ def mlp_temps():
   for depth in (16, 32, 64):
     case = models.mlp_case(depth=depth, width=2048, batch=4096)
     temps[depth] = (_memory(case.step, case).temp_bytes,
-                    _memory(jlms.offload(case.step), case))
+                    _memory(jlms.offload(case.step, **TFLMS_KNOBS), case))
   return temps
 
 
@@ -46,7 +47,7 @@ def test_mlp_temp_is_flat_in_depth(mlp_temps):
 @pytest.mark.slow
 def test_resnet_peak_is_at_most_a_third_of_jit():
   case = models.resnet_case(blocks=16, channels=64, image_size=256, batch=8)
-  step = jlms.offload(case.step)
+  step = jlms.offload(case.step, **TFLMS_KNOBS)
   comparison = step.memory(*case.abstract_args(), target="h100")
   assert not comparison.problems
   assert comparison.offloaded.peak_bytes <= comparison.baseline.peak_bytes / 3
@@ -69,7 +70,7 @@ def test_scanned_gpt_activation_memory_is_flat_in_layers():
   for layers in (12, 24):
     case = models.gpt_case(layers=layers, width=512, heads=8, seq=1024,
                            batch=8, scan_layers=True)
-    memories[layers] = _memory(jlms.offload(case.step), case)
+    memories[layers] = _memory(jlms.offload(case.step, **TFLMS_KNOBS), case)
   deep_case = models.gpt_case(layers=24, width=512, heads=8, seq=1024,
                               batch=8, scan_layers=True)
   jit_deep = _memory(deep_case.step, deep_case)

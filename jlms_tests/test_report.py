@@ -25,7 +25,7 @@ BUDGET = 8 * MIB  # the MLP below peaks at ~9.8 MiB without offloading
 
 @functools.cache
 def _budget_plan() -> jlms.Plan:
-  """A plan the tuner fitted to a budget (simulator only: no compile)."""
+  """A plan fitted to a budget (simulator and time model: no compile)."""
   case = models.mlp_case(depth=8, width=256, batch=512)
   return jlms.offload(case.step, min_bytes=1, budget=BUDGET).plan(
       *case.abstract_args())
@@ -127,10 +127,11 @@ def test_html_has_the_summary_numbers():
   assert row("predicted pinned host peak") == format_bytes(
       plan.predicted_host_bytes)
   assert row("host traffic") == format_bytes(plan.host_traffic_bytes)
-  assert row("budget").startswith(format_bytes(BUDGET) + ": tuned to fit")
-  assert row("tuning").startswith(f"{len(plan.tuning.trials)} trials")
-  assert f"swapout_threshold {plan.config.swapout_threshold}" in row(
-      "settings (chosen by the tuner)")
+  assert row("budget").startswith(format_bytes(BUDGET) + ": fitted")
+  assert row(f"predicted step time with jlms on {plan.time_target}") == (
+      plan.step_time.describe())
+  assert row("chosen").startswith(
+      f"by the time model: {len(plan.recomputed)} values recomputed")
 
 
 def test_html_names_xla_peak_and_target():

@@ -12,7 +12,7 @@ from jlms._liveness import analyse
 from jlms._program import flatten
 from jlms._serialize import serialized_equations
 from jlms._simulator import analyse_fusion
-from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
+from jlms_tests.conftest import F32_TOLERANCE, TFLMS_KNOBS, max_relative_error
 
 
 def _small_case():
@@ -63,8 +63,9 @@ def test_serializing_head_by_head_attention_lowers_xla_peak():
   chaining the matmuls in jaxpr order lowers the H100 peak."""
   case = models.per_head_attention_case()
   args = case.abstract_args()
-  plain = jlms.xla_memory(jlms.offload(case.step), *args, target="h100")
+  plain = jlms.xla_memory(jlms.offload(case.step, **TFLMS_KNOBS), *args, target="h100")
   serialized = jlms.xla_memory(
-      jlms.offload(case.step, serialize=["dot_general"]), *args,
+      jlms.offload(case.step, serialize=["dot_general"], **TFLMS_KNOBS),
+      *args,
       target="h100")
   assert serialized.peak_bytes <= 0.9 * plain.peak_bytes

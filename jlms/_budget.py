@@ -1,0 +1,51 @@
+"""Memory budgets: how a user says one, and the error when a step cannot fit.
+
+A leaf module: the fitting itself is `jlms._fit`, the confirmation with XLA
+`jlms._offload`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from jlms._units import UNITS
+
+class BudgetError(ValueError):
+  """The step cannot fit the memory budget, however much is offloaded."""
+
+
+def parse_budget(budget, device_bytes=None) -> int:
+  """Bytes of `budget`: an int of bytes, a size such as "20GiB" or "512 MB",
+  or a percentage such as "90%" of `device_bytes` (a callable giving the
+  device's memory, called only for a percentage)."""
+  if isinstance(budget, bool):
+    raise TypeError(f"jlms: budget must be bytes or a string, got {budget!r}")
+  if isinstance(budget, (int, np.integer)):
+    if budget <= 0:
+      raise ValueError(f"jlms: budget must be positive, got {budget}")
+    return int(budget)
+  if not isinstance(budget, str):
+    raise TypeError(f"jlms: budget must be bytes, a size string such as "
+                    f"'20GiB' or a percentage such as '90%', got {budget!r}")
+  text = budget.strip().lower().replace(" ", "")
+  match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)(%|[a-z]*)", text)
+  if match is None or match.group(2) not in (*UNITS, "%"):
+    raise ValueError(f"jlms: cannot read budget {budget!r}: use bytes, a size "
+                     "such as '20GiB', a percentage such as '90%' of the "
+                     "device, 'device' (fit the device, the default) or "
+                     "'min' (as little device memory as jlms can reach)")
+  number, unit = float(match.group(1)), match.group(2)
+  if unit == "%":
+    if not 0 < number <= 100:
+      raise ValueError(f"jlms: budget percentage must be in (0, 100], got "
+                       f"{budget!r}")
+    if device_bytes is None:
+      raise ValueError("jlms: a percentage budget needs the device's memory: "
+                       "run on a GPU or name a target such as 'h100'")
+    return int(device_bytes() * number / 100)
+  value = int(number * UNITS[unit])
+  if value <= 0:
+    raise ValueError(f"jlms: budget must be positive, got {budget!r}")
+  return value

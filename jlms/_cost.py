@@ -1,0 +1,194 @@
+"""How long each kernel of a flat step takes on a target GPU.
+
+The step is priced the way XLA's GPU backend runs it: the fusion model of
+`jlms._simulator.analyse_fusion` says which equations become kernels of
+their own and which run fused inside a reader; each kernel costs
+
+    max(FLOPs / (tensor-core peak of its dtype x efficiency of its kind),
+        HBM bytes / (HBM bandwidth x memory efficiency))
+
+where the FLOPs are those of its matmuls and convolutions and the HBM bytes
+are the buffers it reads and writes (fused producers are read through their
+own inputs). Loops cost their trip count times their body (a `while` of
+unknown count, once), branches their costliest branch.
+
+Targets carry published hardware facts (NVIDIA's datasheets for peaks and
+HBM bandwidth) and the host link as measured: 52 GB/s each way inside a
+jitted program on an H100's PCIe Gen5 x16 (../shared/reference/
+H100-MEASURED.md). Efficiencies per kind of kernel are the calibration:
+convolutions reach about half their roofline on an H100 (same source),
+matmuls and memory-bound kernels are taken at the roofline, as XLA's own
+schedule-model yardstick does.
+
+Pure functions of a program: nothing here traces or compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import numpy as np
+
+from jlms import _compat
+from jlms._liveness import analyse
+from jlms._program import Program, flatten
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+  """What the time model knows of one GPU and its host link."""
+  name: str
+  hbm_bytes_per_s: float
+  #: dense tensor-core peak by operand dtype ("float32" is TF32, the rate
+  #: XLA's default precision uses).
+  contraction_flops_per_s: types.MappingProxyType
+  #: full-precision float32 (precision=HIGHEST) on the CUDA cores.
+  fp32_flops_per_s: float
+  link_bytes_per_s: float  # host link, each direction, achieved
+  link: str
+  #: fraction of the roofline each kind of kernel reaches.
+  efficiency: types.MappingProxyType = dataclasses.field(
+      default_factory=lambda: types.MappingProxyType(
+          {"conv": 0.5, "matmul": 1.0, "memory": 1.0}))
+
+  def contraction_peak(self, dtype, full_precision: bool) -> float:
+    name = np.dtype(dtype).name
+    if name == "float32" and full_precision:
+      return self.fp32_flops_per_s
+    return self.contraction_flops_per_s.get(
+        name, self.contraction_flops_per_s["float32"])
+
+  def transfer_seconds(self, nbytes: float) -> float:
+    return nbytes / self.link_bytes_per_s
+
+
+def _peaks(**by_dtype) -> types.MappingProxyType:
+  return types.MappingProxyType(by_dtype)
+
+
+_HOPPER_PEAKS = _peaks(float32=494.7e12, bfloat16=989.4e12, float16=989.4e12,
+                       float8_e4m3fn=1978.9e12, float8_e5m2=1978.9e12,
+                       int8=1978.9e12)
+
+#: Time-model targets, by the names `target=` takes.
+TARGETS = types.MappingProxyType({
+    "h100": GpuTarget("h100", 3.35e12, _HOPPER_PEAKS, 66.9e12, 52e9,
+                      "PCIe Gen5 x16"),
+    "h200": GpuTarget("h200", 4.8e12, _HOPPER_PEAKS, 66.9e12, 52e9,
+                      "PCIe Gen5 x16"),
+    # A100 SXM 80GB: TF32 156, BF16 312 TFLOP/s; PCIe Gen4 x16 achieves
+    # about half of Gen5.
+    "a100": GpuTarget("a100", 2.039e12,
+                      _peaks(float32=156e12, bfloat16=312e12, float16=312e12,
+                             int8=624e12), 19.5e12, 25e9, "PCIe Gen4 x16"),
+    # GH200: an H100 with HBM3 at 4.0 TB/s and NVLink-C2C to the Grace CPU
+    # (450 GB/s each way nominal).
+    "gh200": GpuTarget("gh200", 4.0e12, _HOPPER_PEAKS, 66.9e12, 350e9,
+                       "NVLink-C2C"),
+})
+
+
+def time_target(name: str | None) -> GpuTarget:
+  """The time model of `name` ("h100" when None: the GPU jlms is tuned
+  for, also for a local GPU whose kind it does not know)."""
+  if name is None or name == "local":
+    return TARGETS["h100"]
+  try:
+    return TARGETS[name]
+  except KeyError:
+    raise ValueError(f"jlms: no time model for target {name!r}; known: "
+                     f"{', '.join(TARGETS)}") from None
+
+
+def kernel_seconds(program: Program, target: GpuTarget, fusion=None,
+                   liveness=None) -> np.ndarray:
+  """Seconds of the kernel each equation of `program` runs, in jaxpr order;
+  0 for an equation fused into a later one (its work is priced there)."""
+  from jlms._simulator import analyse_fusion  # the fusion model lives there
+  if liveness is None:
+    liveness = analyse(program)
+  if fusion is None:
+    fusion = analyse_fusion(program, liveness)
+  n = len(program)
+  flops = np.zeros(n)
+  peak = np.full(n, np.inf)
+  kind = ["memory"] * n
+  touched: list[set] = [set() for _ in range(n)]
+  extra = np.zeros(n)  # loop and branch bodies
+  body_cache: dict[int, float] = {}
+  materialized = fusion.materialized
+  executes_at = fusion.executes_at
+  for index, equation in enumerate(program.equations):
+    eqn = equation.eqn
+    at = int(executes_at[index])
+    if at >= n:  # fused into the step's outputs: it runs at the end
+      at = n - 1
+    work = _compat.contraction_flops(eqn)
+    if work:
+      flops[at] += work
+      dtype = eqn.invars[0].aval.dtype
+      peak[at] = min(peak[at], target.contraction_peak(
+          dtype, _compat.contraction_is_full_precision(eqn)))
+      kind[at] = "conv" if _compat.is_convolution(eqn) else "matmul"
+    for atom in equation.inputs:
+      if isinstance(atom, int) and materialized[atom]:
+        touched[at].add(atom)
+    for out in equation.outputs:
+      if materialized[out]:
+        touched[at].add(out)
+    bodies = _compat.sub_jaxprs(eqn)
+    if bodies and not _compat.is_fusible_equation(eqn):
+      costs = [_body_seconds(body, target, body_cache) for body in bodies]
+      trips = _compat.loop_trip_count(eqn)
+      if trips is not None:
+        extra[at] += trips * sum(costs)
+      else:  # a while of unknown count runs once; a cond its costliest branch
+        extra[at] += max(costs)
+  nbytes = np.asarray(liveness.nbytes, dtype=np.float64)
+  seconds = np.zeros(n)
+  memory_rate = target.hbm_bytes_per_s * target.efficiency["memory"]
+  for at in range(n):
+    moved = sum(nbytes[v] for v in touched[at]) / memory_rate
+    compute = 0.0
+    if flops[at]:
+      compute = flops[at] / (peak[at] * target.efficiency[kind[at]])
+    seconds[at] = max(moved, compute) + extra[at]
+  # Loop bodies read their operands slice by slice: the loop equation's own
+  # operands are counted by its body, not again in full.
+  for index, equation in enumerate(program.equations):
+    if extra[index] and _compat.loop_trip_count(equation.eqn) is not None:
+      seconds[index] = extra[index]
+  return seconds
+
+
+def _body_seconds(body, target: GpuTarget, cache: dict) -> float:
+  key = id(body)
+  if key not in cache:
+    inner = flatten(_compat.closed_jaxpr(
+        [], [], list(body.constvars) + list(body.invars), body.outvars,
+        body.eqns, body.debug_info))
+    cache[key] = float(kernel_seconds(inner, target).sum())
+  return cache[key]
+
+
+def recompute_seconds(program: Program, liveness, chain: tuple[int, ...],
+                      value: int, target: GpuTarget) -> float:
+  """Seconds to make `value` again by the equations `chain`: each matmul or
+  convolution is a kernel of its own, priced as in `kernel_seconds`; the
+  elementwise rest is one fused kernel that reads the chain's inputs made
+  outside it and writes `value`."""
+  made = {out for index in chain for out in program.equations[index].outputs}
+  leaves = {atom for index in chain for atom in program.equations[index].inputs
+            if isinstance(atom, int) and atom not in made}
+  moved = sum(liveness.nbytes[v] for v in leaves) + liveness.nbytes[value]
+  seconds = moved / (target.hbm_bytes_per_s * target.efficiency["memory"])
+  for index in chain:
+    eqn = program.equations[index].eqn
+    work = _compat.contraction_flops(eqn)
+    if work:
+      kind = "conv" if _compat.is_convolution(eqn) else "matmul"
+      peak = target.contraction_peak(
+          eqn.invars[0].aval.dtype, _compat.contraction_is_full_precision(eqn))
+      seconds += work / (peak * target.efficiency[kind])
+  return seconds

@@ -1,0 +1,289 @@
+"""Fitting a step into a memory budget in the least predicted time.
+
+Each large value that lives across a gap between two of its reads can stay
+on the device, be copied to host and back, or be recomputed before its far
+read from values that are on the device then anyway. `fit` decides per
+value, greedily at the predicted peak: while the simulated peak is over the
+budget, it takes, among the values that occupy the device at the peak
+without being read there, the choice that adds the least predicted step time
+per byte it frees, and simulates again.
+
+- A recomputation is a chain of elementwise and re-layout equations (what
+  XLA fuses into one kernel: a BatchNorm's normalisation, a relu, a mask)
+  whose inputs are step inputs or values alive at the far read; it costs one
+  memory-bound kernel.
+- A copy goes to host after the last read before the gap and must have
+  finished before the first equation at which compute has hidden it
+  (`swap_out_done_before`); it comes back from where compute before the far
+  read hides it. Each costs what the schedule model of `jlms._schedule`
+  says it exposes, link traffic of earlier choices included.
+
+Pure: it never compiles. `jlms.offload` confirms the result with XLA and
+calls it again with a tighter budget if XLA disagrees.
+
+Guarantees: the returned offloads' predicted peak is at most the budget, or
+`BudgetError` is raised with the smallest peak reached; a step whose peak
+fits gets no offloads; every offload satisfies `jlms._planner`'s guarantees,
+and a recompute's chain reads only step inputs, constants and values alive
+at its swap-in that no other choice moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from jlms import _compat
+from jlms._cost import GpuTarget, kernel_seconds, recompute_seconds
+from jlms._liveness import Liveness
+from jlms._units import format_bytes
+from jlms._planner import Offload, SwapIn, is_offloadable
+from jlms._program import Program
+from jlms._schedule import StepTime, predict_step_time
+from jlms._simulator import (Fusion, MemoryTimeline, analyse_fusion,
+                             body_working_bytes, simulate)
+from jlms._config import SyncMode
+from jlms._budget import BudgetError
+
+log = logging.getLogger("jlms")
+
+_MAX_CHAIN = 64  # equations re-emitted for one recomputation, at most
+_EXACT_PER_ROUND = 4  # options priced by the schedule model each round
+_HIDE_MARGIN = 1.1  # a copy is hidden by 10% more compute than it takes
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+  """What `fit` chose, and what it predicts."""
+  offloads: tuple[Offload, ...]
+  timeline: MemoryTimeline
+  baseline: MemoryTimeline
+  step_time: StepTime
+  baseline_step_time: StepTime
+  budget_bytes: int | None  # None: the least memory reachable
+  seconds: float  # spent fitting
+
+  @property
+  def recomputed(self) -> int:
+    return sum(o.is_recompute for o in self.offloads)
+
+  @property
+  def transferred(self) -> int:
+    return sum(not o.is_recompute for o in self.offloads)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+  offload: Offload
+  nbytes: int
+  frees_from: int  # the device buffer is free from this equation ...
+  frees_until: int  # ... to this one (exclusive)
+  estimate_s: float  # added step time, ignoring other copies
+  leaves: tuple[int, ...] = ()  # values a recomputation reads
+
+
+class _Problem:
+  """One program, priced once, with the options of each of its values."""
+
+  def __init__(self, program: Program, liveness: Liveness, fusion: Fusion,
+               target: GpuTarget, min_bytes: int, residuals=()):
+    self.program, self.liveness, self.fusion = program, liveness, fusion
+    self.residuals = residuals
+    self.target = target
+    self.kernel_s = kernel_seconds(program, target, fusion, liveness)
+    # start[i]: compute seconds before equation i starts, without copies.
+    self.start = np.concatenate([[0.0], np.cumsum(self.kernel_s)])
+    self.working = body_working_bytes(program)
+    self.min_bytes = min_bytes
+
+  def gap(self, value: int) -> tuple[int, int] | None:
+    """(last read before, first read after) the longest gap, in compute
+    time, between the making of `value` and its reads; None if it has no
+    gap worth a choice."""
+    liveness = self.liveness
+    reads = liveness.uses[value]
+    if not reads or reads[-1] >= len(self.program):  # dead, or a step output
+      return None
+    previous = liveness.producer[value]
+    best, best_gap = None, 0.0
+    for read in reads:
+      length = self.start[read] - self.start[previous + 1]
+      if read - previous > 2 and length > best_gap:
+        best, best_gap = (previous, read), length
+      previous = read
+    return best
+
+  def candidates(self) -> list[int]:
+    liveness, fusion = self.liveness, self.fusion
+    return [v for v, size in enumerate(liveness.nbytes)
+            if size >= self.min_bytes and liveness.producer[v] >= 0
+            and fusion.materialized[v]
+            and is_offloadable(self.program.avals[v])]
+
+  def transfer(self, value: int, near: int, far: int) -> _Option | None:
+    """Copy `value` to host after `near`, back before `far`, each placed
+    where the compute around it can hide it."""
+    size = self.liveness.nbytes[value]
+    copy_s = self.target.transfer_seconds(size) * _HIDE_MARGIN
+    executes = int(self.fusion.executes_at[near])
+    done = executes + 1
+    while done < far and self.start[done] - self.start[executes + 1] < copy_s:
+      done += 1
+    issue = far
+    while issue > done and self.start[far] - self.start[issue] < copy_s:
+      issue -= 1
+    if issue <= done:
+      # Compute cannot hide both copies: free the buffer as soon as the copy
+      # out ends and fetch it just in time, and let the wait be priced.
+      done, issue = executes + 1, far - 1
+      if issue <= done:
+        return None  # nothing is freed between the two copies
+    reads = tuple(r for r in self.liveness.uses[value] if r > near)
+    exposed = (max(0.0, copy_s - (self.start[done] - self.start[executes + 1]))
+               + max(0.0, copy_s - (self.start[far] - self.start[issue])))
+    offload = Offload(value, near, (SwapIn(issue, reads),),
+                      swap_out_done_before=done)
+    return _Option(offload, size, done, issue, exposed)
+
+  def recompute(self, value: int, near: int, far: int,
+                moved: dict) -> _Option | None:
+    """Remake `value` before `far` from values alive there, by at most
+    `_MAX_CHAIN` pure equations."""
+    liveness, fusion, program = self.liveness, self.fusion, self.program
+    chain: set[int] = set()
+    leaves: set[int] = set()
+    stack = [liveness.producer[value]]
+    while stack:
+      index = stack.pop()
+      if index in chain:
+        continue
+      equation = program.equations[index]
+      if not _compat.is_recomputable(equation.eqn):
+        return None
+      chain.add(index)
+      if len(chain) > _MAX_CHAIN:
+        return None
+      for atom in equation.inputs:
+        if not isinstance(atom, int):
+          continue  # a constant
+        made_by = liveness.producer[atom]
+        back = moved.get(atom)
+        alive = (made_by < 0 or (fusion.materialized[atom]
+                                 and fusion.last_read[atom] >= far
+                                 and (back is None
+                                      or back.frees_until <= far)))
+        if alive:
+          leaves.add(atom)
+        elif made_by >= 0:
+          stack.append(made_by)
+        else:
+          return None
+    ordered = tuple(sorted(chain))
+    reads = tuple(r for r in liveness.uses[value] if r > near)
+    offload = Offload(value, near, (SwapIn(far, reads),), recompute=ordered)
+    frees_from = int(fusion.executes_at[near]) + 1
+    cost = recompute_seconds(program, liveness, ordered, value, self.target)
+    return _Option(offload, liveness.nbytes[value], frees_from, far, cost,
+                   tuple(sorted(leaves)))
+
+  def simulate(self, offloads) -> MemoryTimeline:
+    return simulate(self.program, self.liveness, tuple(offloads), self.fusion,
+                    working=self.working)
+
+  def step_time(self, offloads) -> StepTime:
+    return predict_step_time(self.program, self.liveness, self.kernel_s,
+                             tuple(offloads), self.target, SyncMode.NONE,
+                             self.residuals)
+
+
+def fit(program: Program, liveness: Liveness, budget_bytes: int | None,
+        target: GpuTarget, min_bytes: int = 1 << 20,
+        fusion: Fusion | None = None, residuals=()) -> Fit:
+  """The offloads, transfers and recomputations, that fit `budget_bytes` in
+  the least predicted step time (see the module docstring); with
+  `budget_bytes=None`, those that reach the smallest peak jlms can. The
+  program's scan `residuals`, already streamed through host, are priced."""
+  started = time.perf_counter()
+  if fusion is None:
+    fusion = analyse_fusion(program, liveness)
+  problem = _Problem(program, liveness, fusion, target, min_bytes, residuals)
+  baseline = problem.simulate(())
+  baseline_time = problem.step_time(())
+  chosen: list[Offload] = []
+  timeline = baseline
+  step_time = baseline_time
+  if budget_bytes is None or baseline.peak_bytes > budget_bytes:
+    timeline, step_time = _fit_greedily(problem, budget_bytes, chosen,
+                                        baseline, baseline_time)
+  result = Fit(tuple(chosen), timeline, baseline, step_time, baseline_time,
+               budget_bytes, time.perf_counter() - started)
+  log.info("jlms: fitted %s in %.2f s: %d values recomputed, %d copied to "
+           "host; predicted peak %s, step %s",
+           "the least memory" if budget_bytes is None
+           else format_bytes(budget_bytes),
+           result.seconds, result.recomputed, result.transferred,
+           format_bytes(timeline.peak_bytes), step_time.describe())
+  return result
+
+
+def _fit_greedily(problem: _Problem, budget: int | None, chosen: list,
+                  timeline: MemoryTimeline, step_time: StepTime):
+  gaps = {v: g for v in problem.candidates()
+          if (g := problem.gap(v)) is not None}
+  transfers: dict = {}
+  moved: dict[int, _Option] = {}  # value -> the option chosen for it
+  # value -> the earliest equation at which a chosen recomputation reads
+  # it: moving it is fine if it is back on the device by then.
+  needed_by: dict[int, int] = {}
+  while budget is None or timeline.peak_bytes > budget:
+    peak = timeline.peak_index
+    ranked = []
+    for value, (near, far) in gaps.items():
+      # A leaf of a chosen recomputation must be back when that reads it.
+      far = min(far, needed_by.get(value, far))
+      if value in moved or not near < peak < far:
+        continue
+      if (value, far) not in transfers:
+        transfers[value, far] = problem.transfer(value, near, far)
+      found = (transfers[value, far],
+               problem.recompute(value, near, far, moved))
+      for option in found:
+        if option is not None and option.frees_from <= peak < option.frees_until:
+          ranked.append(option)
+    if not ranked:
+      if budget is None:  # as low as it goes
+        break
+      raise _smallest_error(problem, timeline, budget)
+    ranked.sort(key=lambda o: (o.estimate_s + 1e-12) / o.nbytes)
+    # The estimate ignores the link's other copies: price the best few of
+    # each kind with the schedule model.
+    shortlist = ([o for o in ranked if o.offload.is_recompute][
+        :_EXACT_PER_ROUND] + [o for o in ranked if not o.offload.is_recompute][
+            :_EXACT_PER_ROUND])
+    best, best_score, best_time = None, None, None
+    for option in shortlist:
+      trial = problem.step_time(chosen + [option.offload])
+      score = (trial.total_s - step_time.total_s + 1e-12) / option.nbytes
+      if best is None or score < best_score:
+        best, best_score, best_time = option, score, trial
+    chosen.append(best.offload)
+    moved[best.offload.value] = best
+    far = best.offload.swap_ins[0].issue_before
+    for leaf in best.leaves:
+      needed_by[leaf] = min(needed_by.get(leaf, far), far)
+    step_time = best_time
+    timeline = problem.simulate(chosen)
+  return timeline, step_time
+
+
+def _smallest_error(problem, timeline, budget) -> BudgetError:
+  error = BudgetError(
+      f"jlms: the step does not fit a budget of {format_bytes(budget)}: the "
+      f"smallest peak jlms reaches is {format_bytes(timeline.peak_bytes)} "
+      f"(arguments and outputs {format_bytes(timeline.fixed_bytes)}); raise "
+      "the budget to at least that")
+  error.smallest_bytes = timeline.peak_bytes
+  return error

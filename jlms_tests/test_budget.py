@@ -1,0 +1,160 @@
+"""Fitting a budget in the least predicted time: parsing it, the choices per
+value (keep, copy, recompute), the defaults, and the errors."""
+
+import logging
+
+import jax
+import pytest
+
+import jlms
+from benchmarks import models
+from jlms import _compat
+from jlms._budget import parse_budget
+from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
+
+MIB, GIB = 1 << 20, 1 << 30
+
+
+@pytest.mark.parametrize("budget, expected", [
+    (123456, 123456), ("20GiB", 20 * GIB), ("512 MiB", 512 * MIB),
+    ("1.5gb", 1_500_000_000), ("50%", 40 * GIB), ("100%", 80 * GIB),
+])
+def test_parse_budget(budget, expected):
+  assert parse_budget(budget, lambda: 80 * GIB) == expected
+
+
+@pytest.mark.parametrize("budget", ["", "lots", "20 parsecs", "0GiB", "150%",
+                                    "-5MiB", 0, -1])
+def test_parse_budget_rejects_nonsense(budget):
+  with pytest.raises(ValueError):
+    parse_budget(budget, lambda: GIB)
+
+
+def test_percentage_needs_a_device_size():
+  with pytest.raises(ValueError, match="percentage"):
+    parse_budget("90%")
+  with pytest.raises(TypeError):
+    parse_budget(True)
+
+
+def test_an_unknown_budget_lists_the_valid_ones():
+  with pytest.raises(ValueError, match="'device'.*'min'"):
+    jlms.offload(lambda x: x, budget="much")
+
+
+def test_an_unknown_target_lists_the_known_ones():
+  with pytest.raises(ValueError, match="h100.*h200"):
+    jlms.offload(lambda x: x, target="tpu-v9")
+
+
+def _equations(step, args):
+  """The equations of the step's jaxpr and of the nested jit it stages."""
+  closed = jax.make_jaxpr(step)(*args)
+  equations = list(closed.jaxpr.eqns)
+  for eqn in closed.jaxpr.eqns:
+    if _compat.is_jit_primitive(eqn.primitive):
+      equations += list(_compat.call_body(eqn)[0].eqns)
+  return equations
+
+
+def _untouched(step, args) -> bool:
+  return not any(_compat.is_device_put(e) or e.primitive is _compat.barrier_p
+                 for e in _equations(step, args))
+
+
+@pytest.fixture(scope="module")
+def resnet():
+  """A small BatchNorm ResNet and its predicted peak without jlms."""
+  case = models.resnet_case(blocks=3, channels=16, image_size=32, batch=8)
+  plan = jlms.offload(case.step, budget="1TiB").plan(*case.abstract_args())
+  return case, plan.baseline_peak_bytes
+
+
+def test_without_a_gpu_or_target_the_default_is_jax_jit(resnet):
+  case, _ = resnet
+  args = case.abstract_args()
+  step = jlms.offload(case.step)
+  plan = step.plan(*args)
+  assert plan.offloaded == () and plan.budget_bytes is None
+  assert _untouched(step, args)
+
+
+def test_a_step_that_fits_is_not_rewritten(resnet):
+  case, peak = resnet
+  args = case.abstract_args()
+  step = jlms.offload(case.step, budget=2 * peak)
+  plan = step.plan(*args)
+  assert plan.offloaded == () and plan.predicted_peak_bytes == peak
+  assert "fits without offloading" in str(plan)
+  assert _untouched(step, args)
+
+
+def test_a_budget_is_met_by_recomputing_what_is_cheap(resnet, caplog):
+  case, peak = resnet
+  budget = int(0.6 * peak)
+  step = jlms.offload(case.step, budget=budget)
+  with caplog.at_level(logging.INFO, logger="jlms"):
+    plan = step.plan(*case.abstract_args())
+  assert plan.predicted_peak_bytes <= budget < plan.baseline_peak_bytes
+  # BatchNorm and relu outputs are remade from the convolutions' outputs
+  # for a few percent of the step, not copied over the host link.
+  assert plan.recomputed and plan.fitted
+  assert plan.step_time.total_s <= 1.10 * plan.baseline_step_time.total_s
+  assert plan.step_time.recompute_s > 0
+  assert "recomputed" in str(plan) and "predicted step time" in str(plan)
+  assert any(r.getMessage().startswith("jlms: fitted") for r in caplog.records)
+  args = case.make_args()
+  assert max_relative_error(step(*args), jax.jit(case.step)(*args)) <= (
+      F32_TOLERANCE)
+
+
+def test_a_tighter_budget_costs_more_time_and_still_equals_jit(resnet):
+  case, peak = resnet
+  loose = jlms.offload(case.step, budget=int(0.6 * peak))
+  tight = jlms.offload(case.step, budget="min")
+  args = case.make_args()
+  loose_plan, tight_plan = loose.plan(*args), tight.plan(*args)
+  assert tight_plan.predicted_peak_bytes < loose_plan.predicted_peak_bytes
+  assert tight_plan.step_time.total_s >= loose_plan.step_time.total_s
+  assert max_relative_error(tight(*args), jax.jit(case.step)(*args)) <= (
+      F32_TOLERANCE)
+
+
+def test_copies_are_placed_where_compute_hides_them():
+  # Residuals of a tanh MLP: remaking a preactivation needs a matmul, so
+  # large enough layers copy some values to host instead.
+  case = models.mlp_case(depth=8, width=1024, batch=2048)
+  args = case.abstract_args()
+  peak = jlms.offload(case.step, budget="1TiB").plan(*args).baseline_peak_bytes
+  plan = jlms.offload(case.step, budget="min").plan(*args)
+  assert plan.predicted_peak_bytes < 0.8 * peak
+  copied = [v for v in plan.offloaded if not v.recomputed]
+  assert copied and plan.recomputed
+  for value in copied:
+    assert value.swapped_out_after < value.prefetched_before[0] <= min(
+        value.used_at)
+  concrete = case.make_args()
+  step = jlms.offload(case.step, budget="min")
+  assert max_relative_error(step(*concrete), jax.jit(case.step)(*concrete)) \
+      <= F32_TOLERANCE
+
+
+def test_an_impossible_budget_names_a_smallest_peak_above_it(resnet):
+  case, _ = resnet
+  with pytest.raises(jlms.BudgetError) as error:
+    jlms.offload(case.step, budget="64KiB").plan(*case.abstract_args())
+  message = str(error.value)
+  assert "smallest peak jlms reaches is" in message
+  assert error.value.smallest_bytes > 64 << 10
+  # ... and that smallest peak is a budget that fits.
+  plan = jlms.offload(case.step, budget=error.value.smallest_bytes).plan(
+      *case.abstract_args())
+  assert plan.predicted_peak_bytes <= error.value.smallest_bytes
+
+
+def test_explicit_knobs_keep_tflms_rules(resnet):
+  case, _ = resnet
+  plan = jlms.offload(case.step, min_bytes=1 << 10,
+                      swapout_threshold=20).plan(*case.abstract_args())
+  assert plan.offloaded and not plan.fitted and not plan.recomputed
+  assert "swapout_threshold 20" in str(plan)

@@ -1,0 +1,89 @@
+"""The time model: kernels priced by roofline on a target, copies on their
+own engines, waits where a copy has not ended."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jlms._cost import TARGETS, kernel_seconds, time_target
+from jlms._config import SyncMode
+from jlms._liveness import analyse
+from jlms._planner import Offload, SwapIn
+from jlms._program import flatten
+from jlms._schedule import predict_step_time
+
+H100 = TARGETS["h100"]
+
+
+def _program(fn, *args):
+  program = flatten(jax.make_jaxpr(fn)(*args))
+  return program, analyse(program)
+
+
+def test_a_matmul_costs_its_flops_at_the_tensor_core_peak():
+  a = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+  program, liveness = _program(lambda x, y: x @ y, a, a)
+  seconds = kernel_seconds(program, H100)
+  assert seconds.sum() == pytest.approx(2 * 4096**3 / 989.4e12)
+
+
+def test_an_elementwise_chain_is_one_kernel_priced_by_its_bytes():
+  x = jax.ShapeDtypeStruct((1 << 24,), jnp.float32)
+  program, _ = _program(lambda v: jnp.tanh(v * 2 + 1), x)
+  seconds = kernel_seconds(program, H100)
+  assert np.count_nonzero(seconds) == 1  # fused into the last equation
+  assert seconds.sum() == pytest.approx(2 * (1 << 26) / 3.35e12)
+
+
+def test_a_scan_costs_its_length_times_its_body():
+  w = jax.ShapeDtypeStruct((12, 1024, 1024), jnp.float32)
+  h = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+  def layers(w, h):
+    return jax.lax.scan(lambda h, w: (h @ w, None), h, w)[0]
+  program, _ = _program(layers, w, h)
+  assert kernel_seconds(program, H100).sum() == pytest.approx(
+      12 * 2 * 1024**3 / 494.7e12, rel=0.05)
+
+
+def _matmul_chain(n):
+  def fn(x, w):
+    h = x
+    for _ in range(n):
+      h = jnp.tanh(h @ w)
+    return h + x  # x is read again at the very end
+  s = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+  return _program(fn, s, s)
+
+
+def test_a_copy_hidden_by_compute_adds_no_time_and_an_exposed_one_does():
+  program, liveness = _matmul_chain(12)
+  seconds = kernel_seconds(program, H100)
+  x = program.invars[0]
+  reads = liveness.uses[x]
+  n = len(program)
+  alone = predict_step_time(program, liveness, seconds, (), H100)
+  # x is an input: pretend a copy of it (1.3 ms over PCIe) goes out after
+  # its first read, is waited for five matmuls later (0.28 ms each), and
+  # comes back six matmuls before its last read.
+  assert reads == (0, n - 1) and n == 25
+  early = Offload(x, 0, (SwapIn(12, (n - 1,)),), swap_out_done_before=10)
+  hidden = predict_step_time(program, liveness, seconds, (early,), H100,
+                             SyncMode.NONE)
+  assert hidden.exposed_transfer_s == pytest.approx(0.0, abs=1e-9)
+  assert hidden.d2h_bytes == hidden.h2d_bytes == 4096 * 4096 * 4
+  late = Offload(x, reads[0], (SwapIn(reads[-1], (reads[-1],)),))
+  exposed = predict_step_time(program, liveness, seconds, (late,), H100,
+                              SyncMode.SWAP_OUT)
+  copy = H100.transfer_seconds(4096 * 4096 * 4)
+  assert exposed.exposed_transfer_s >= copy
+  assert exposed.total_s > alone.total_s
+  assert reads[-1] < n
+
+
+def test_targets_and_their_links():
+  assert time_target(None) is TARGETS["h100"]
+  assert TARGETS["a100"].link_bytes_per_s < TARGETS["h100"].link_bytes_per_s
+  assert TARGETS["gh200"].link_bytes_per_s > 5 * TARGETS["h100"].link_bytes_per_s
+  with pytest.raises(ValueError, match="h100"):
+    time_target("v100")
