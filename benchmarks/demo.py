@@ -1,13 +1,17 @@
-"""The main job: a real model's train step, offloaded, with memory before and after.
+"""The main job: a real model's train step, memory and time, before and after.
 
     python -m benchmarks.demo [--blocks 16] [--image-size 256] [--batch 8]
                               [--target h100] [--json PATH]
 
 A 16-block BatchNorm ResNet (64 channels, 3x3 convs, adam) at 256x256 is
 compiled by XLA for an H100 without a GPU (or for the local GPU with
-`--target local`), once as `jax.jit` and once under `jlms.offload`, and XLA's
-own accounting of both is printed. Then a small copy of the model trains a
-few steps on this machine under both, to show the results are the same.
+`--target local`): as `jax.jit`, and under `jlms.offload` with two device
+budgets, 65% and 35% of jax.jit's XLA peak. For each, XLA's own memory
+accounting and the predicted step time: jlms's time model of the target and,
+where `../shared/tools/step_time.py` is beside the repository, that
+schedule model of XLA's compiled program. Then a small copy of the model
+trains a few steps on this machine under both, to show the results are the
+same.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import importlib.util
 import logging
+import pathlib
 import time
 
 import jax
@@ -26,42 +32,80 @@ import jlms
 from benchmarks import models
 from benchmarks._output import write_json
 
+GIB = 1 << 30
+_YARDSTICK = (pathlib.Path(__file__).resolve().parents[2] / "shared" / "tools"
+              / "step_time.py")
+BUDGETS = (0.65, 0.35)  # of jax.jit's XLA peak
 
-def _measure(case, target: str) -> dict:
-  step = jlms.offload(case.step)
+
+def _yardstick():
+  """The schedule model of XLA's compiled programs, if it is beside us."""
+  if not _YARDSTICK.is_file():
+    return None
+  spec = importlib.util.spec_from_file_location("_step_time", _YARDSTICK)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _row(label, memory, plan, yardstick, seconds) -> dict:
+  row = {"config": label, "xla": memory.as_dict(), "plan_seconds": seconds,
+         "predicted_ms": plan.step_time.total_s * 1e3,
+         "recomputed": len(plan.recomputed),
+         "copied": len(plan.offloaded) - len(plan.recomputed)}
+  if yardstick is not None:
+    row["yardstick_ms"] = yardstick.estimate(memory.hlo_text)["total_ms"]
+  return row
+
+
+def _measure(case, target: str) -> list[dict]:
   args = case.abstract_args()
-  start = time.perf_counter()
-  plan = step.plan(*args)
-  plan_seconds = time.perf_counter() - start
-  print(plan)
-  comparison = step.memory(*args, target=target)
-  print()
-  print(comparison)
-  return {
-      "model": case.name,
-      "target": target,
-      "plan_seconds": plan_seconds,
-      "equations": plan.num_equations,
-      "offloaded_values": len(plan.offloaded),
-      "offloaded_bytes": plan.offloaded_bytes,
-      "jit": comparison.baseline.as_dict(),
-      "jlms": comparison.offloaded.as_dict(),
-      "peak_ratio": comparison.peak_ratio,
-  }
+  yardstick = _yardstick()
+  jit = jlms.xla_memory(jax.jit(case.step), *args, target=target)
+  as_is = jlms.offload(case.step, budget="1TiB", target=target).plan(*args)
+  rows = [_row("jax.jit", jit, as_is, yardstick, 0.0)]
+  for fraction in BUDGETS:
+    budget = int(fraction * jit.peak_bytes)
+    step = jlms.offload(case.step, budget=budget, target=target)
+    start = time.perf_counter()
+    plan = step.plan(*args)
+    seconds = time.perf_counter() - start
+    if fraction == BUDGETS[-1]:
+      print(plan, "\n")
+    rows.append(_row(f"jlms, budget {fraction:.0%} ({budget / GIB:.2f} GiB)",
+                     jlms.xla_memory(step, *args, target=target), plan,
+                     yardstick, seconds))
+  print(f"{'':<32} {'XLA peak':>9} {'host':>7} {'jlms model':>11} "
+        f"{'XLA schedule':>13} {'remade':>7} {'copied':>7} {'plan s':>7}")
+  for r in rows:
+    sched = (f"{r['yardstick_ms']:>10.1f} ms" if "yardstick_ms" in r
+             else f"{'-':>13}")
+    print(f"{r['config']:<32} {r['xla']['peak_bytes'] / GIB:>5.2f} GiB "
+          f"{r['xla']['host_bytes'] / GIB:>3.2f} GiB "
+          f"{r['predicted_ms']:>8.1f} ms {sched} {r['recomputed']:>7} "
+          f"{r['copied']:>7} {r['plan_seconds']:>7.1f}")
+  print(f"(peaks: XLA for {target}, deviceless; times: jlms's time model "
+        "and the schedule model of XLA's compiled program, predicted, "
+        "not measured)")
+  return rows
 
 
 def _train_small_copy(steps: int = 3) -> float:
-  """Trains a small ResNet under jax.jit and jlms.offload from the same
-  start; returns the largest relative difference of the losses."""
+  """Trains a small ResNet under jax.jit and jlms.offload (a budget of
+  half its peak) from the same start; returns the largest relative
+  difference of the losses."""
   case = models.resnet_case(blocks=2, channels=16, image_size=32, batch=4)
   params, stats, opt_state, images, labels = case.make_args()
+  peak = jlms.offload(case.step, budget="1TiB").plan(
+      *case.make_args()).baseline_peak_bytes
   jit_step = jax.jit(case.step)
-  jlms_step = jlms.offload(case.step, min_bytes=1 << 10)
+  jlms_step = jlms.offload(case.step, budget=peak // 2)
+  plan = jlms_step.plan(*case.make_args())
   state_jit = state_jlms = (params, stats, opt_state)
   worst = 0.0
-  print(f"\nTraining {case.name} on {jax.default_backend()} "
-        f"({len(jlms_step.plan(*case.make_args()).offloaded)} values "
-        "offloaded):")
+  print(f"\nTraining {case.name} on {jax.default_backend()} with a budget "
+        f"of half its peak ({len(plan.recomputed)} values recomputed, "
+        f"{len(plan.offloaded) - len(plan.recomputed)} copied):")
   for i in range(steps):
     state_jit, loss_jit = jit_step(*state_jit, images, labels)
     state_jlms, loss_jlms = jlms_step(*state_jlms, images, labels)
@@ -85,13 +129,11 @@ def main(argv=None) -> dict:
   case = models.resnet_case(blocks=options.blocks, channels=64,
                             image_size=options.image_size,
                             batch=options.batch)
-  print(f"== {case.name}: XLA memory for {options.target} ==")
-  result = _measure(case, options.target)
-  result["small_copy_loss_difference"] = _train_small_copy()
-  print(f"\nDevice peak {result['jit']['peak_bytes'] / 2**30:.2f} GiB with "
-        f"jax.jit, {result['jlms']['peak_bytes'] / 2**30:.2f} GiB with "
-        f"jlms.offload ({result['peak_ratio']:.1%}); "
-        f"{result['jlms']['host_bytes'] / 2**30:.2f} GiB on host.")
+  print(f"== {case.name}: XLA memory and predicted step time on "
+        f"{options.target} ==")
+  rows = _measure(case, options.target)
+  result = {"model": case.name, "target": options.target, "rows": rows,
+            "small_copy_loss_difference": _train_small_copy()}
   write_json(options.json, result)
   return result
 

@@ -29,7 +29,7 @@ MIB = 1 << 20
 
 
 def _row(case, target: str) -> dict:
-  step = jlms.offload(case.step)
+  step = jlms.offload(case.step, **models.TFLMS_KNOBS)
   args = case.abstract_args()
   start = time.perf_counter()
   plan = step.plan(*args)
@@ -71,7 +71,7 @@ def trace_cost(repeats: int = 3) -> dict:
 
   def offloaded():
     case = models.many_equations_case()
-    step = jax.jit(jlms.offload(case.step))
+    step = jax.jit(jlms.offload(case.step, budget="min"))
     return seconds(lambda: step.trace(*case.abstract_args()))
 
   offloaded()  # warm jax's caches of library code for both

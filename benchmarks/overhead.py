@@ -76,7 +76,7 @@ def main(argv=None) -> list[dict]:
   for name, make in CASES.items():
     case = make()
     args = case.make_args()
-    step = jlms.offload(case.step)
+    step = jlms.offload(case.step, **models.TFLMS_KNOBS)
     seconds = _median_step_seconds(
         {"jit": jax.jit(case.step), "barriers": _barriers_only(step, args),
          "jlms": step}, args, options.repeats)

@@ -27,7 +27,7 @@ import time
 import jax
 
 import jlms
-from benchmarks import zoo
+from benchmarks import models, zoo
 from benchmarks._output import write_json
 
 GIB = 1 << 30
@@ -44,7 +44,7 @@ def _measure(variant: str, layers: int, target: str) -> dict:
   remat = {"remat nothing_saveable": "nothing_saveable",
            "remat offload policy": "offload"}.get(variant)
   case = _case(layers, remat)
-  step = jlms.offload(case.step) if variant == "jlms.offload" else case.step
+  step = jlms.offload(case.step, **models.TFLMS_KNOBS) if variant == "jlms.offload" else case.step
   args = case.abstract_args()
   start = time.perf_counter()
   memory = jlms.xla_memory(step, *args, target=target)

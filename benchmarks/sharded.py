@@ -88,7 +88,7 @@ def _seconds(fn):
 def _row(name, case, args, target) -> dict:
   jit, jit_seconds = _seconds(
       lambda: jlms.xla_memory(jax.jit(case.step), *args, target=target))
-  step = jlms.offload(case.step)
+  step = jlms.offload(case.step, **models.TFLMS_KNOBS)
   plan = step.plan(*args)
   off, jlms_seconds = _seconds(
       lambda: jlms.xla_memory(step, *args, target=target))

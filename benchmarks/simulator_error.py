@@ -30,7 +30,7 @@ MIB = 1 << 20
 
 
 def error_row(case, target: str) -> dict:
-  step = jlms.offload(case.step)
+  step = jlms.offload(case.step, **models.TFLMS_KNOBS)
   args = case.abstract_args()
   plan = step.plan(*args)
   xla = step.memory(*args, target=target)
@@ -64,18 +64,15 @@ def budget_rows(target: str) -> list[dict]:
     except jlms.BudgetError as error:
       row.update(outcome="BudgetError", message=str(error))
     else:
-      chosen = plan.tuning.chosen
       row.update(
-          outcome="fits as it is" if chosen is None else "tuned",
-          min_bytes=None if chosen is None else chosen.config.min_bytes,
-          swapout_threshold=(None if chosen is None
-                             else chosen.config.swapout_threshold),
-          offloaded=len(plan.offloaded),
+          outcome="fits as it is" if not plan.offloaded else "fitted",
+          recomputed=len(plan.recomputed),
+          copied=len(plan.offloaded) - len(plan.recomputed),
           host_traffic_mib=plan.host_traffic_bytes / MIB,
           predicted_mib=plan.predicted_peak_bytes / MIB,
           xla_mib=plan.xla_peak_bytes / MIB,
-          search_seconds=plan.tuning.seconds,
-          settings_tried=len(plan.tuning.trials))
+          predicted_step_ms=plan.step_time.total_s * 1e3,
+          predicted_jit_step_ms=plan.baseline_step_time.total_s * 1e3)
     row["seconds"] = time.perf_counter() - start
     rows.append(row)
   return rows
@@ -103,17 +100,19 @@ def main(argv=None) -> dict:
           f"{r['jlms_predicted_mib']:>9.0f} {r['jlms_xla_mib']:>9.0f} "
           f"{r['jlms_error']:>+7.1%}")
   budgets = budget_rows(options.target)
-  print(f"\n{'budget':<12} {'MiB':>8} {'outcome':<14} {'offl':>5} "
-        f"{'traffic':>9} {'pred':>8} {'XLA':>8} {'search s':>8} {'total s':>8}")
+  print(f"\n{'budget':<12} {'MiB':>8} {'outcome':<14} {'remade':>6} "
+        f"{'copied':>6} {'traffic':>9} {'pred':>8} {'XLA':>8} {'step ms':>8} "
+        f"{'total s':>8}")
   for r in budgets:
     if r["outcome"] == "BudgetError":
       print(f"{r['budget']:<12} {r['budget_mib']:>8.0f} BudgetError: "
             f"{r['message'][:110]}...")
       continue
     print(f"{r['budget']:<12} {r['budget_mib']:>8.0f} {r['outcome']:<14} "
-          f"{r['offloaded']:>5} {r['host_traffic_mib']:>9.0f} "
-          f"{r['predicted_mib']:>8.0f} {r['xla_mib']:>8.0f} "
-          f"{r['search_seconds']:>8.2f} {r['seconds']:>8.1f}")
+          f"{r['recomputed']:>6} {r['copied']:>6} "
+          f"{r['host_traffic_mib']:>9.0f} {r['predicted_mib']:>8.0f} "
+          f"{(r['xla_mib'] or 0):>8.0f} {r['predicted_step_ms']:>8.1f} "
+          f"{r['seconds']:>8.1f}")
   result = {"errors": errors, "budgets": budgets}
   write_json(options.json, result)
   return result

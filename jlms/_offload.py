@@ -40,6 +40,7 @@ from jlms._units import format_bytes
 from jlms._budget import BudgetError, parse_budget
 from jlms._cost import kernel_seconds, time_target
 from jlms._fit import fit
+from jlms._tradeoff import Tradeoff, TradeoffPoint
 from jlms._placement import place_fused_at_readers
 from jlms._schedule import predict_step_time
 from jlms._xla_memory import target_memory_bytes, xla_memory
@@ -80,6 +81,7 @@ class _Analysis:
   out_tree: Any
   rewritten: Any  # the closed jaxpr that runs
   jit_params: dict  # params of the nested-jit equation that stages it
+  plain: Any = None  # the step as traced, analysed (`_Analysed`)
 
 
 def _as_tuple(x) -> tuple:
@@ -105,6 +107,7 @@ class OffloadedStep:
     self._static_argnums = _as_tuple(static_argnums)
     self._static_argnames = _as_tuple(static_argnames)
     self._analyses: collections.OrderedDict = collections.OrderedDict()
+    self._variants: dict = {}  # id(plain program) -> its placed variants
     self.jit_options = dict(
         static_argnums=self._static_argnums,
         static_argnames=self._static_argnames,
@@ -148,6 +151,36 @@ class OffloadedStep:
       return False
     self._verified.add(key)
     return True
+
+  def tradeoff(self, *args, budgets=None, points: int = 6,
+               **kwargs) -> Tradeoff:
+    """Predicted step time against device budget for these arguments: the
+    fastest fit (simulator and time model, no compile) of each budget in
+    `budgets` (bytes or sizes), by default `points` budgets from the least
+    memory jlms reaches up to `jax.jit`'s predicted peak."""
+    analysis, _ = self._analysis(args, kwargs)
+    plain = analysis.plain
+    times = time_target(self.target)
+    baseline = _predicted_baseline(plain)
+    least = self._fastest_fit(plain, None, times)[2]
+    if budgets is None:
+      low, high = int(1.01 * least.timeline.peak_bytes), baseline.peak_bytes
+      budgets = [int(low + (high - low) * i / max(points - 1, 1))
+                 for i in range(points)]
+    rows = []
+    for budget in budgets:
+      budget = parse_budget(budget)
+      try:
+        _, residuals, result = self._fastest_fit(plain, budget, times)
+      except BudgetError:
+        rows.append(TradeoffPoint(budget, None, None, 0, 0, 0))
+        continue
+      rows.append(TradeoffPoint(
+          budget, result.timeline.peak_bytes, result.step_time,
+          result.recomputed, result.transferred, len(residuals)))
+    jit_time = self._predict_times(times, plain, None, (), None, ())[0]
+    return Tradeoff(tuple(rows), baseline.peak_bytes, jit_time,
+                    least.timeline.peak_bytes, times.name)
 
   def lower(self, *args, **kwargs) -> jax.stages.Lowered:
     """The `jax.stages.Lowered` of the rewritten program."""
@@ -234,6 +267,7 @@ class OffloadedStep:
     else:
       analysis = self._fit_budget(plain, baseline, jit_params, debug_info,
                                   leaves, out_trees)
+    analysis = dataclasses.replace(analysis, plain=plain)
     self._analyses[key] = analysis
     if len(self._analyses) > _CACHE_SIZE:
       self._analyses.popitem(last=False)
@@ -384,28 +418,7 @@ class OffloadedStep:
                "for a whole-step peak of %s", unseen, format_bytes(searched))
     times = time_target(self.target)
     config = dataclasses.replace(self.config, sync_mode=SyncMode.NONE)
-    # Each way the step's loops can run (as they are, residuals remade
-    # inside the backward loops, residuals streamed through host) is fitted
-    # at the top level; the fastest that fits is confirmed with XLA.
-    fitted, last_error = [], None
-    for program, liveness, residuals, loops in self._programs_to_fit(plain):
-      fusion = (plain.fusion if program is plain_program
-                else analyse_fusion(program, liveness))
-      placed = _Analysed.of(place_fused_at_readers(program, liveness, fusion))
-      try:
-        result = fit(placed.program, placed.liveness, searched, times,
-                     self._min_bytes(searched), placed.fusion, residuals)
-      except BudgetError as error:
-        last_error = error
-        continue
-      log.info("jlms: %s: predicted %s", loops, result.step_time.describe())
-      # The fastest that fits; for the least memory, the smallest peak.
-      rank = ((result.timeline.peak_bytes, result.step_time.total_s)
-              if budget is None else (result.step_time.total_s,))
-      fitted.append((rank, len(fitted), placed, residuals, result))
-    if not fitted:
-      raise last_error
-    _, _, placed, residuals, result = min(fitted)
+    placed, residuals, result = self._fastest_fit(plain, searched, times)
     measured = None
     for _ in range(_CONFIRMATIONS):
       rewritten = rewrite(
@@ -445,13 +458,53 @@ class OffloadedStep:
     return _Analysis(placed.program, result.offloads, plan, out_trees[-1],
                      rewritten, jit_params)
 
+  def _fastest_fit(self, plain, budget, times):
+    """(placed program, streamed residuals, `jlms._fit.Fit`) of the fastest
+    way to fit `budget` (None: the least memory). Each way the step's loops
+    can run (as they are, residuals remade inside the backward loops,
+    residuals streamed through host) is fitted at the top level."""
+    fitted, last_error = [], None
+    for placed, residuals, loops in self._placed_variants(plain):
+      try:
+        result = fit(placed.program, placed.liveness, budget, times,
+                     self._min_bytes(budget), placed.fusion, residuals)
+      except BudgetError as error:
+        last_error = error
+        continue
+      log.info("jlms: %s: predicted %s", loops, result.step_time.describe())
+      # The fastest that fits; for the least memory, the smallest peak.
+      rank = ((result.timeline.peak_bytes, result.step_time.total_s)
+              if budget is None else (result.step_time.total_s,))
+      fitted.append((rank, len(fitted), placed, residuals, result))
+    if not fitted:
+      raise last_error
+    _, _, placed, residuals, result = min(fitted)
+    return placed, residuals, result
+
+  def _placed_variants(self, plain):
+    """Each variant of `_programs_to_fit`, analysed with its fused
+    equations placed at their readers; computed once per signature."""
+    cached = self._variants.get(id(plain))
+    if cached is None or cached[0] is not plain:
+      variants = []
+      for program, liveness, residuals, loops in self._programs_to_fit(plain):
+        fusion = (plain.fusion if program is plain.program
+                  else analyse_fusion(program, liveness))
+        placed = _Analysed.of(place_fused_at_readers(program, liveness,
+                                                     fusion))
+        variants.append((placed, residuals, loops))
+      cached = self._variants[id(plain)] = (plain, tuple(variants))
+      if len(self._variants) > _CACHE_SIZE:
+        self._variants.pop(next(iter(self._variants)))
+    return cached[1]
+
   def _min_bytes(self, budget: int | None) -> int:
     """The smallest value worth a choice: the `min_bytes` knob if given,
-    else a 4096th of the budget (at least 4 KiB): smaller values cannot
+    else a 65536th of the budget (at least 4 KiB): smaller values cannot
     change whether a step fits, only slow the search."""
     if self._fit_min_bytes is not None:
       return self._fit_min_bytes
-    return max(4096, (budget or 0) // 4096)
+    return max(4096, (budget or 0) >> 16)
 
   def _programs_to_fit(self, plain):
     """(program, liveness, streamed residuals, description) of each way the
@@ -495,6 +548,10 @@ class OffloadedStep:
     analysis, leaves = self._analysis(args, kwargs)
     outs = _compat.bind_jit(analysis.jit_params, analysis.rewritten, leaves)
     return jax.tree.unflatten(analysis.out_tree, outs)
+
+
+def _predicted_baseline(plain):
+  return simulate(plain.program, plain.liveness, fusion=plain.fusion)
 
 
 def _serialized(program, liveness, config, fusion=None) -> frozenset:

@@ -277,13 +277,16 @@ def body_working_bytes(program: Program) -> np.ndarray:
             [], [], list(body.constvars) + list(body.invars), body.outvars,
             body.eqns, body.debug_info))
         inner_liveness = analyse(inner)
-        # An iteration's inputs die at their last read and its results are
-        # made as it runs (XLA reuses the buffers of one for the other);
-        # what the inputs take is the equation's own operands (or slices
-        # of them), counted outside.
-        timeline = simulate(inner, inner_liveness, operands_fixed=False)
-        inputs = sum(inner_liveness.nbytes[v] for v in inner.invars)
-        cache[key] = max(timeline.peak_bytes - inputs, 0)
+        # A body's inputs and results are the equation's own operands and
+        # results (or slices of them, updated in place), counted outside:
+        # only what it makes and drops while it runs is its own.
+        operands = {v for v in inner.invars} | {
+            v for v in inner.outvars if isinstance(v, int)}
+        own = dataclasses.replace(inner_liveness, nbytes=tuple(
+            0 if v in operands else size
+            for v, size in enumerate(inner_liveness.nbytes)))
+        timeline = simulate(inner, own, operands_fixed=False)
+        cache[key] = int(timeline.peak_bytes)
       working[index] = max(working[index], cache[key])
   return working
 

@@ -11,10 +11,7 @@ import functools
 import jax
 import numpy as np
 
-#: TFLMS's rules with the knobs jlms used by default before budgets became
-#: the default: the tests of those rules (and of the memory they reach) pass
-#: them explicitly.
-TFLMS_KNOBS = dict(min_bytes=1 << 20, swapout_threshold=20)
+from benchmarks.models import TFLMS_KNOBS  # noqa: F401 (for the tests)
 
 #: Normwise relative error allowed between jlms's and jax.jit's float32
 #: outputs. The two programs are compiled separately and XLA may order a

@@ -158,3 +158,22 @@ def test_explicit_knobs_keep_tflms_rules(resnet):
                       swapout_threshold=20).plan(*case.abstract_args())
   assert plan.offloaded and not plan.fitted and not plan.recomputed
   assert "swapout_threshold 20" in str(plan)
+
+
+def test_the_tradeoff_table_prices_each_budget(resnet):
+  case, peak = resnet
+  tradeoff = jlms.offload(case.step).tradeoff(*case.abstract_args(), points=4)
+  assert len(tradeoff.points) == 4
+  assert tradeoff.jit_peak_bytes == peak
+  fits = [p for p in tradeoff.points if p.step_time is not None]
+  assert len(fits) == 4  # from the least memory up to jax.jit's peak
+  assert all(p.predicted_peak_bytes <= p.budget_bytes for p in fits)
+  times = [p.step_time.total_s for p in fits]
+  assert times == sorted(times, reverse=True)  # more memory, less time
+  assert fits[-1].step_time.total_s == pytest.approx(
+      tradeoff.jit_step_time.total_s)
+  assert "vs jit" in str(tradeoff)
+  import matplotlib
+  matplotlib.use("Agg")
+  ax = tradeoff.plot()
+  assert {line.get_gid() for line in ax.get_lines()} >= {"jlms", "jit"}

@@ -1,0 +1,76 @@
+"""Issue 13's claims, as XLA compiles them for an H100 (deviceless): a budget
+between jax.jit's and per-layer remat's peaks is met, in about jax.jit's
+time by jlms's time model; a step that fits is jax.jit's program."""
+
+import jax
+import pytest
+
+import jlms
+from benchmarks import frontier_cases, models
+
+TARGET = "h100"
+
+
+def _peaks(case, remat_case):
+  args = case.abstract_args()
+  jit = jlms.xla_memory(jax.jit(case.step), *args, target=TARGET).peak_bytes
+  remat = jlms.xla_memory(jax.jit(remat_case.step), *args,
+                          target=TARGET).peak_bytes
+  return args, jit, remat
+
+
+def _predicted_ms(fn, args, **knobs):
+  plan = jlms.offload(fn, target=TARGET, **knobs).plan(*args)
+  return plan.step_time.total_s * 1e3, plan
+
+
+@pytest.fixture(scope="module")
+def resnet():
+  case, remat_case = (frontier_cases.resnet(), frontier_cases.resnet(True))
+  args, jit, remat = _peaks(case, remat_case)
+  jit_ms, _ = _predicted_ms(case.step, args, budget="1TiB")
+  remat_ms, _ = _predicted_ms(remat_case.step, args, budget="1TiB")
+  return case, args, jit, remat, jit_ms, remat_ms
+
+
+@pytest.mark.slow
+def test_resnet_halfway_fits_in_about_jits_time(resnet):
+  case, args, jit, remat, jit_ms, remat_ms = resnet
+  budget = (jit + remat) // 2
+  ms, plan = _predicted_ms(case.step, args, budget=budget)
+  assert plan.xla_peak_bytes <= budget
+  assert plan.recomputed  # BatchNorm and relu outputs, remade
+  assert ms <= 1.10 * jit_ms and ms <= remat_ms
+
+
+@pytest.mark.slow
+def test_resnet_at_remats_peak_is_no_slower_than_remat(resnet):
+  case, args, jit, remat, jit_ms, remat_ms = resnet
+  ms, plan = _predicted_ms(case.step, args, budget=remat)
+  assert plan.xla_peak_bytes <= remat
+  assert ms <= remat_ms
+
+
+@pytest.mark.slow
+def test_scanned_gpt_halfway_remakes_residuals_in_the_loop():
+  case, remat_case = frontier_cases.gpt(), frontier_cases.gpt(True)
+  args, jit, remat = _peaks(case, remat_case)
+  budget = (jit + remat) // 2
+  ms, plan = _predicted_ms(case.step, args, budget=budget)
+  jit_ms, _ = _predicted_ms(case.step, args, budget="1TiB")
+  assert plan.xla_peak_bytes <= budget
+  assert plan.offloaded_bytes == 0  # nothing crosses the host link
+  assert ms <= 1.10 * jit_ms
+
+
+@pytest.mark.slow
+def test_a_step_that_fits_the_h100_is_jax_jits_program():
+  case = models.resnet_case(blocks=4, channels=32, image_size=64, batch=8)
+  args = case.abstract_args()
+  step = jlms.offload(case.step, target=TARGET)  # the default: fit the H100
+  plan = step.plan(*args)
+  assert plan.offloaded == () and plan.budget_bytes > 70 * 2**30
+  offloaded = jlms.xla_memory(step, *args, target=TARGET)
+  jit = jlms.xla_memory(jax.jit(case.step), *args, target=TARGET)
+  assert offloaded.host_bytes == 0 and offloaded.host_offloaded_buffers == 0
+  assert offloaded.peak_bytes == jit.peak_bytes
