@@ -467,3 +467,18 @@ def loop_trip_count(eqn) -> int | None:
   if eqn.primitive is scan_p:
     return int(scan_layout(eqn).length)
   return None
+
+
+def pruned_jaxpr(closed, outputs: list[int]):
+  """`closed` (same inputs) computing only its outputs at `outputs`: the
+  equations nothing kept reads are dropped (effectful ones are kept)."""
+  jaxpr, consts = jaxpr_parts(closed)
+  outvars = [jaxpr.outvars[i] for i in outputs]
+  needed = {v for v in outvars if isinstance(v, Var)}
+  kept = []
+  for eqn in reversed(jaxpr.eqns):
+    if eqn.effects or any(v in needed for v in eqn.outvars):
+      kept.append(eqn)
+      needed.update(v for v in eqn.invars if isinstance(v, Var))
+  return closed_jaxpr(jaxpr.constvars, consts, jaxpr.invars, outvars,
+                      kept[::-1], jaxpr.debug_info)

@@ -42,9 +42,12 @@ class LoopRemat:
 
 
 def loop_rematerializations(program: Program, liveness: Liveness,
-                            min_bytes: int = 0) -> tuple[LoopRemat, ...]:
+                            min_bytes: int = 0,
+                            target=None) -> tuple[LoopRemat, ...]:
   """The scan pairs whose residual stacks (of at least `min_bytes`) only one
-  later scan reads, slice by slice, with the same length."""
+  later scan reads, slice by slice, with the same length; each pair's
+  residuals in order of the time it takes to remake a byte of them on
+  `target` (a `jlms._cost.GpuTarget`; None: in program order)."""
   found = find_scan_residuals(program, liveness, OffloadConfig(
       min_bytes=max(min_bytes, 1), swapout_threshold=0))
   pairs: dict[tuple[int, int], list[int]] = {}
@@ -60,8 +63,33 @@ def loop_rematerializations(program: Program, liveness: Liveness,
       continue
     key = (residual.producer, residual.readers[0])
     pairs.setdefault(key, []).append(residual.value)
-  return tuple(LoopRemat(f, b, tuple(values))
-               for (f, b), values in sorted(pairs.items()))
+  found = []
+  for (f, b), values in sorted(pairs.items()):
+    if target is not None:
+      values = sorted(values, key=lambda v: _remake_seconds(
+          program.equations[f], v, target) / max(liveness.nbytes[v], 1))
+    found.append(LoopRemat(f, b, tuple(values)))
+  return tuple(found)
+
+
+def cheapest(choices: tuple[LoopRemat, ...], fraction: float
+             ) -> tuple[LoopRemat, ...]:
+  """Each choice with only the cheapest `fraction` of its residuals (at
+  least one), in the order `loop_rematerializations` gives them."""
+  return tuple(dataclasses.replace(
+      c, residuals=c.residuals[:max(1, round(fraction * len(c.residuals)))])
+               for c in choices)
+
+
+def _remake_seconds(forward: Equation, value: int, target) -> float:
+  """Seconds, per iteration, to remake one residual slice from the layer's
+  inputs: the forward body pruned to that output, priced on `target`."""
+  from jlms._cost import kernel_seconds  # the time model reads programs
+  from jlms._program import flatten
+  layout = _compat.scan_layout(forward.eqn)
+  position = forward.outputs.index(value)
+  body = _compat.pruned_jaxpr(layout.body, [position])
+  return float(kernel_seconds(flatten(body), target).sum())
 
 
 def rematerialize_in_loops(program: Program,
@@ -136,7 +164,6 @@ def _backward_remaking(backward: Equation, forward: Equation,
   """The backward scan reading carry stacks and remaking the residuals."""
   f_layout = _compat.scan_layout(forward.eqn)
   b_layout = _compat.scan_layout(backward.eqn)
-  f_body, f_body_consts = _compat.jaxpr_parts(f_layout.body)
   b_body, b_body_consts = _compat.jaxpr_parts(b_layout.body)
   fnc, fnk = f_layout.num_consts, f_layout.num_carry
   bnc, bnk = b_layout.num_consts, b_layout.num_carry
@@ -151,6 +178,10 @@ def _backward_remaking(backward: Equation, forward: Equation,
   sources = [("remade", remade[a]) if a in remade else ("own", a)
              for a in b_xs]
   others = [a for kind, a in sources if kind == "own"]
+  # Only what makes the remade slices runs again, not the whole layer.
+  wanted = sorted(set(remade.values()))
+  remake_body, remake_consts = _compat.jaxpr_parts(_compat.pruned_jaxpr(
+      f_layout.body, [fnk + index for index in wanted]))
   n_fc, n_bc, n_k = len(f_consts), len(b_consts), len(b_carry)
   n_o, n_s = len(others), len(carries)
 
@@ -164,11 +195,10 @@ def _backward_remaking(backward: Equation, forward: Equation,
 
     def iteration(carry, slices):
       own, carry_slices, f_x = slices
-      f_outs = _compat.eval_jaxpr(f_body, f_body_consts, *f_consts_in,
-                                  *carry_slices, *f_x)
-      f_ys = f_outs[fnk:]
+      made = dict(zip(wanted, _compat.eval_jaxpr(
+          remake_body, remake_consts, *f_consts_in, *carry_slices, *f_x)))
       own_iter = iter(own)
-      xs = [f_ys[index] if kind == "remade" else next(own_iter)
+      xs = [made[index] if kind == "remade" else next(own_iter)
             for kind, index in sources]
       outs = _compat.eval_jaxpr(b_body, b_body_consts, *b_consts_in, *carry,
                                 *xs)

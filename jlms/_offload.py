@@ -27,7 +27,8 @@ import numpy as np
 from jlms import _compat
 from jlms._config import OffloadConfig, SyncMode
 from jlms._liveness import analyse, largest_equation
-from jlms._loop_remat import loop_rematerializations, rematerialize_in_loops
+from jlms._loop_remat import (cheapest, loop_rematerializations,
+                              rematerialize_in_loops)
 from jlms._loops import find_scan_residuals, offload_scan_residuals
 from jlms._plan import Plan, build_plan
 from jlms._planner import Offload, plan_offloads
@@ -55,6 +56,9 @@ KNOBS = "knobs"
 DEVICE = "device"
 MINIMUM = "min"
 _CONFIRMATIONS = 4  # XLA compiles at most, when fitting a budget
+# Shares of a scan's residuals (the cheapest to remake first) that the
+# backward loop remakes, one variant of the step each.
+_LOOP_REMAT_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 
 log = logging.getLogger("jlms")
 
@@ -419,6 +423,11 @@ class OffloadedStep:
     times = time_target(self.target)
     config = dataclasses.replace(self.config, sync_mode=SyncMode.NONE)
     placed, residuals, result = self._fastest_fit(plain, searched, times)
+    if (not result.offloads and placed is self._placed_variants(plain)[0][0]
+        and budget is None):
+      # As little memory as jlms reaches is the step as it is.
+      return self._as_is(plain, baseline, jit_params, debug_info, out_trees,
+                         budget, None)
     measured = None
     for _ in range(_CONFIRMATIONS):
       rewritten = rewrite(
@@ -515,11 +524,21 @@ class OffloadedStep:
     yield plain_program, plain_liveness, (), "loops as they are"
     if not self.config.scan_residuals:
       return
-    pairs = loop_rematerializations(plain_program, plain_liveness)
-    if pairs:
-      program = rematerialize_in_loops(plain_program, pairs)
+    pairs = loop_rematerializations(plain_program, plain_liveness,
+                                    target=time_target(self.target))
+    # The cheapest residuals (time to remake a byte) first: remaking all of
+    # them is per-layer remat; a budget may need only some.
+    seen = set()
+    for fraction in _LOOP_REMAT_FRACTIONS:
+      chosen = cheapest(pairs, fraction)
+      key = tuple(c.residuals for c in chosen)
+      if not pairs or key in seen:
+        continue
+      seen.add(key)
+      program = rematerialize_in_loops(plain_program, chosen)
+      remade = sum(len(c.residuals) for c in chosen)
       yield (program, analyse(program), (),
-             f"{len(pairs)} loops remaking their residuals")
+             f"{len(chosen)} loops remaking {remade} of their residuals")
     residuals = find_scan_residuals(plain_program, plain_liveness,
                                     dataclasses.replace(
                                         self.config, swapout_threshold=2))

@@ -40,6 +40,11 @@ def place_fused_at_readers(program: Program, liveness: Liveness,
     return program
   avals = list(program.avals)
   placed: list[Equation] = []
+  fused_value = [False] * len(avals)
+  for index, equation in enumerate(equations):
+    if fused[index]:
+      for out in equation.outputs:
+        fused_value[out] = True
 
   def emit(value, copies: dict):
     """The id that holds `value` at the reader being emitted."""
@@ -56,16 +61,20 @@ def place_fused_at_readers(program: Program, liveness: Liveness,
         avals.append(avals[out])
         copies[out] = len(avals) - 1
         outputs.append(copies[out])
-      placed.append(dataclasses.replace(equation, inputs=inputs,
-                                        outputs=tuple(outputs)))
+      placed.append(Equation(equation.eqn, inputs, tuple(outputs),
+                             equation.name_stack))
     return copies[value]
 
   for index, equation in enumerate(equations):
     if fused[index]:
       continue
+    if not any(isinstance(a, int) and fused_value[a] for a in equation.inputs):
+      placed.append(equation)  # reads nothing fused: as it was
+      continue
     copies: dict = {}
     inputs = tuple(emit(a, copies) for a in equation.inputs)
-    placed.append(dataclasses.replace(equation, inputs=inputs))
+    placed.append(Equation(equation.eqn, inputs, equation.outputs,
+                           equation.name_stack))
   copies = {}
   outvars = tuple(emit(a, copies) for a in program.outvars)
   return dataclasses.replace(program, equations=tuple(placed),

@@ -196,7 +196,9 @@ def test_budget_is_per_device(axis_type):
   assert plan.xla_peak_bytes <= GIB
   measured = jlms.xla_memory(step, *args, target="h100")
   assert measured.peak_bytes == plan.xla_peak_bytes
-  assert measured.host_offloaded_buffers > 0
+  # Whatever is copied lives on host as one device's shard.
+  copied = [v for v in plan.offloaded if not v.recomputed]
+  assert (measured.host_offloaded_buffers > 0) == bool(copied)
 
 
 # --- the claim: 16-block ResNet on 8 H100s -------------------------
