@@ -21,9 +21,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
-import importlib.util
 import logging
-import pathlib
 import time
 
 import jax
@@ -31,21 +29,10 @@ import jax
 import jlms
 from benchmarks import models
 from benchmarks._output import write_json
+from benchmarks.frontier import load_yardstick
 
 GIB = 1 << 30
-_YARDSTICK = (pathlib.Path(__file__).resolve().parents[2] / "shared" / "tools"
-              / "step_time.py")
 BUDGETS = (0.65, 0.35)  # of jax.jit's XLA peak
-
-
-def _yardstick():
-  """The schedule model of XLA's compiled programs, if it is beside us."""
-  if not _YARDSTICK.is_file():
-    return None
-  spec = importlib.util.spec_from_file_location("_step_time", _YARDSTICK)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def _row(label, memory, plan, yardstick, seconds) -> dict:
@@ -60,7 +47,7 @@ def _row(label, memory, plan, yardstick, seconds) -> dict:
 
 def _measure(case, target: str) -> list[dict]:
   args = case.abstract_args()
-  yardstick = _yardstick()
+  yardstick = load_yardstick()
   jit = jlms.xla_memory(jax.jit(case.step), *args, target=target)
   as_is = jlms.offload(case.step, budget="1TiB", target=target).plan(*args)
   rows = [_row("jax.jit", jit, as_is, yardstick, 0.0)]

@@ -46,21 +46,6 @@ def _dtype_name(dtype) -> str:
 # --- 1. BatchNorm ResNet without downsampling, Adam ---------------------------
 
 
-class _ConvBnBlock(nn.Module):
-    """conv-BN-relu, conv-BN, plus the block's input, relu: models' block."""
-
-    channels: int
-
-    @nn.compact
-    def __call__(self, x):
-        h = nn.Conv(self.channels, (3, 3), padding="SAME", use_bias=False)(x)
-        h = nn.BatchNorm(use_running_average=False, momentum=0.9)(h)
-        h = nn.relu(h)
-        h = nn.Conv(self.channels, (3, 3), padding="SAME", use_bias=False)(h)
-        h = nn.BatchNorm(use_running_average=False, momentum=0.9)(h)
-        return nn.relu(h + x)
-
-
 class _FlatResNet(nn.Module):
     blocks: int
     channels: int
@@ -69,9 +54,11 @@ class _FlatResNet(nn.Module):
 
     @nn.compact
     def __call__(self, images):
-        block = _ConvBnBlock
+        # models' conv-BN-relu, conv-BN, plus input, relu block; named
+        # explicitly so that the remat twin takes the same parameters.
+        block = models._ResidualBlock
         if self.remat:
-            block = nn.remat(_ConvBnBlock, policy=_NOTHING_SAVEABLE)
+            block = nn.remat(block, policy=_NOTHING_SAVEABLE)
         h = nn.Conv(self.channels, (3, 3), padding="SAME", name="stem")(images)
         for index in range(self.blocks):
             h = block(self.channels, name=f"block{index}")(h)

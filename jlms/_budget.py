@@ -15,6 +15,10 @@ from jlms._units import UNITS
 class BudgetError(ValueError):
   """The step cannot fit the memory budget, however much is offloaded."""
 
+  #: The smallest device peak jlms reached (itself a budget that fits), when
+  #: the error comes from fitting; None when XLA refused the fit.
+  smallest_bytes: int | None = None
+
 
 def parse_budget(budget, device_bytes=None) -> int:
   """Bytes of `budget`: an int of bytes, a size such as "20GiB" or "512 MB",

@@ -478,7 +478,10 @@ class OffloadedStep:
         result = fit(placed.program, placed.liveness, budget, times,
                      self._min_bytes(budget), placed.fusion, residuals)
       except BudgetError as error:
-        last_error = error
+        # The variant that gets closest names the smallest peak reachable.
+        if last_error is None or (error.smallest_bytes
+                                  < last_error.smallest_bytes):
+          last_error = error
         continue
       log.info("jlms: %s: predicted %s", loops, result.step_time.describe())
       # The fastest that fits; for the least memory, the smallest peak.

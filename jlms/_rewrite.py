@@ -7,6 +7,13 @@ inlined) and inserts, where the offloads say:
   bare device-host-device round trip). With `SyncMode.SWAP_OUT` the barrier
   also carries the next equation's inputs, so that equation waits for the
   copy and the device buffer is free before anything new is allocated;
+- with `swap_out_done_before`, the host copy's barrier carries that later
+  equation's inputs instead: compute hides the copy until there, and the
+  device buffer is free from there on;
+- a recomputation: the offload's equations re-emitted right before
+  `issue_before`, reading their inputs through a barrier with the previous
+  equation's outputs (and every reader of an earlier swap-in or
+  recomputation), so that XLA can neither hoist nor merge them;
 - a swap-in: `device_put(h, Space.Device)` right before `issue_before`. Its
   host operand first goes through a barrier with the outputs of the previous
   equation and of the latest equation that read a swapped-in value: the copy
@@ -26,8 +33,9 @@ primitive costs as much as tracing the step again, and tracing
 `jlms.offload(step)` must stay within twice the cost of tracing `step`.
 
 Guarantees: the jaxpr computes the program's values exactly (host copies are
-exact, barriers are identities); every read after a swap-out reads a copy
-brought back by its `SwapIn`; inputs and outputs match the program's.
+exact, barriers are identities, recomputations are the same pure equations
+on the same values); every read after a swap-out reads a copy brought back
+or remade by its `SwapIn`; inputs and outputs match the program's.
 """
 
 from __future__ import annotations
