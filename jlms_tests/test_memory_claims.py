@@ -55,7 +55,7 @@ def test_resnet_peak_is_at_most_a_third_of_jit():
 
 @pytest.mark.slow
 def test_tracing_costs_at_most_twice_make_jaxpr():
-  cost = trace_cost(repeats=2)
+  cost = trace_cost(repeats=3)
   assert cost["equations"] >= 15_000
   assert cost["ratio"] <= 2.0, cost
 
