@@ -98,6 +98,7 @@ class _Problem:
     self.start = np.concatenate([[0.0], np.cumsum(self.kernel_s)])
     self.working = body_working_bytes(program)
     self.min_bytes = min_bytes
+    self.host_budget: int | None = None
 
   def gap(self, value: int) -> tuple[int, int] | None:
     """(last read before, first read after) the longest gap, in compute
@@ -201,16 +202,28 @@ class _Problem:
 
 def fit(program: Program, liveness: Liveness, budget_bytes: int | None,
         target: GpuTarget, min_bytes: int = 1 << 20,
-        fusion: Fusion | None = None, residuals=()) -> Fit:
+        fusion: Fusion | None = None, residuals=(),
+        host_budget_bytes: int | None = None) -> Fit:
   """The offloads, transfers and recomputations, that fit `budget_bytes` in
   the least predicted step time (see the module docstring); with
   `budget_bytes=None`, those that reach the smallest peak jlms can. The
-  program's scan `residuals`, already streamed through host, are priced."""
+  program's scan `residuals`, already streamed through host, are priced.
+  No copy is chosen that would take the pinned host memory in use at once
+  above `host_budget_bytes`."""
   started = time.perf_counter()
   if fusion is None:
     fusion = analyse_fusion(program, liveness)
   problem = _Problem(program, liveness, fusion, target, min_bytes, residuals)
+  problem.host_budget = host_budget_bytes
   baseline = problem.simulate(())
+  if (host_budget_bytes is not None
+      and baseline.host_peak_bytes > host_budget_bytes):
+    error = BudgetError(
+        f"jlms: the scan residuals streamed through host take "
+        f"{format_bytes(baseline.host_peak_bytes)} of pinned host memory, "
+        f"above the host budget of {format_bytes(host_budget_bytes)}")
+    error.smallest_bytes = baseline.peak_bytes
+    raise error
   baseline_time = problem.step_time(())
   chosen: list[Offload] = []
   timeline = baseline
@@ -251,7 +264,9 @@ def _fit_greedily(problem: _Problem, budget: int | None, chosen: list,
       found = (transfers[value, far],
                problem.recompute(value, near, far, moved))
       for option in found:
-        if option is not None and option.frees_from <= peak < option.frees_until:
+        if (option is not None
+            and option.frees_from <= peak < option.frees_until
+            and _fits_host(problem, timeline, option)):
           ranked.append(option)
     if not ranked:
       if budget is None:  # as low as it goes
@@ -279,11 +294,26 @@ def _fit_greedily(problem: _Problem, budget: int | None, chosen: list,
   return timeline, step_time
 
 
+def _fits_host(problem: _Problem, timeline: MemoryTimeline,
+               option: _Option) -> bool:
+  """Whether a copy keeps the pinned host memory in use at once within the
+  host budget (a recomputation uses none)."""
+  if option.offload.is_recompute or problem.host_budget is None:
+    return True
+  start = option.offload.swap_out_after
+  end = option.offload.swap_ins[-1].issue_before
+  on_host = int(timeline.host_bytes[start:end + 1].max(initial=0))
+  return on_host + option.nbytes <= problem.host_budget
+
+
 def _smallest_error(problem, timeline, budget) -> BudgetError:
   error = BudgetError(
       f"jlms: the step does not fit a budget of {format_bytes(budget)}: the "
       f"smallest peak jlms reaches is {format_bytes(timeline.peak_bytes)} "
       f"(arguments and outputs {format_bytes(timeline.fixed_bytes)}); raise "
-      "the budget to at least that")
+      "the budget to at least that" + (
+          "" if problem.host_budget is None else
+          f", or the host budget ({format_bytes(problem.host_budget)} of "
+          "pinned host memory, which bounds what can be copied out)"))
   error.smallest_bytes = timeline.peak_bytes
   return error

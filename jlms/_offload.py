@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import os
 from typing import Any, Callable, Sequence
 
 import jax
@@ -102,7 +103,7 @@ class OffloadedStep:
   def __init__(self, fun: Callable, config: OffloadConfig, *,
                static_argnums=(), static_argnames=(), donate_argnums=(),
                donate_argnames=(), verify=None, budget=DEVICE, target=None,
-               min_bytes_given=None):
+               min_bytes_given=None, host_budget=None):
     if not callable(fun):
       raise TypeError(f"jlms.offload expects a callable, got {type(fun)}")
     functools.update_wrapper(self, fun)
@@ -124,6 +125,9 @@ class OffloadedStep:
     self.target = target
     # The smallest value a budget's fit may move: the knob if given.
     self._fit_min_bytes = min_bytes_given
+    self.host_budget = host_budget
+    if host_budget is not None:
+      parse_budget(host_budget)  # reject malformed budgets now
     if target is not None:
       time_target(target)  # reject unknown targets now
     if budget not in (KNOBS, DEVICE, MINIMUM):
@@ -448,7 +452,8 @@ class OffloadedStep:
       log.info("jlms: searching again for a predicted peak of %s",
                format_bytes(searched))
       result = fit(placed.program, placed.liveness, searched, times,
-                   self._min_bytes(searched), placed.fusion, residuals)
+                   self._min_bytes(searched), placed.fusion, residuals,
+                   self._host_budget_bytes())
     else:
       raise BudgetError(
           f"jlms: XLA's peak on {target} is {format_bytes(measured)}, above "
@@ -476,7 +481,8 @@ class OffloadedStep:
     for placed, residuals, loops in self._placed_variants(plain):
       try:
         result = fit(placed.program, placed.liveness, budget, times,
-                     self._min_bytes(budget), placed.fusion, residuals)
+                     self._min_bytes(budget), placed.fusion, residuals,
+                     self._host_budget_bytes())
       except BudgetError as error:
         # The variant that gets closest names the smallest peak reachable.
         if last_error is None or (error.smallest_bytes
@@ -509,6 +515,23 @@ class OffloadedStep:
       if len(self._variants) > _CACHE_SIZE:
         self._variants.pop(next(iter(self._variants)))
     return cached[1]
+
+  def _host_budget_bytes(self) -> int:
+    """Pinned host memory the plan may hold at once, per device:
+    `host_budget` if given, else XLA's pinned pool for each GPU
+    (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` GiB, 64 by default), and on a
+    local GPU never more than the memory this machine has available."""
+    if self.host_budget is not None:
+      return parse_budget(self.host_budget)
+    pool = float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64"))
+    limit = int(pool * (1 << 30))
+    if self._confirm_target() == "local":
+      try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        limit = min(limit, available)
+      except (ValueError, OSError):  # not reported on this system
+        pass
+    return limit
 
   def _min_bytes(self, budget: int | None) -> int:
     """The smallest value worth a choice: the `min_bytes` knob if given,
@@ -601,16 +624,23 @@ def offload(fun: Callable | None = None, *,
             donate_argnames: str | Sequence[str] = (),
             verify: bool | None = None,
             budget: int | str | None = None,
-            target: str | None = None):
-  """Wraps a train step so that its large, long-lived values live on host.
+            target: str | None = None,
+            host_budget: int | str | None = None):
+  """Wraps a train step so that it fits a device memory budget in the least
+  time it can.
 
   Use like `jax.jit`: `step = jlms.offload(train_step)` or as a decorator,
   with or without arguments. The step's jaxpr (forward, backward and update
-  together) is flattened, every value's reads are found, and each floating
-  point value of at least `min_bytes` that is not read for more than
-  `swapout_threshold` equations is copied to pinned host memory after its
-  last near read and brought back `prefetch_ahead` equations before it is
-  needed again.
+  together) is flattened and analysed. Under a budget (the default: the
+  device's memory), each large value that lives across a gap between its
+  reads is kept, recomputed before its far read, or copied to pinned host
+  memory and back where compute hides the copy, whichever a time model of
+  the target predicts costs least; a step that fits is `jax.jit`'s
+  program. With any of TFLMS's knobs (`min_bytes`, `swapout_threshold`,
+  `prefetch_ahead`, `swapin_groupby`, `sync_mode`) and no budget, TFLMS's
+  rules apply exactly: each value of at least `min_bytes` not read for more
+  than `swapout_threshold` equations is copied to host after its last near
+  read and brought back `prefetch_ahead` equations before its next read.
 
   Args:
     fun: the step, any jittable function of pytrees of arrays.
@@ -643,16 +673,22 @@ def offload(fun: Callable | None = None, *,
       device peak, warning with `jlms.OffloadIneffectiveWarning` otherwise.
       None (default): only when running on a GPU (it costs one extra compile
       of the step with and without jlms).
-    budget: device memory the step may use: bytes, a size such as "20GiB",
-      or a percentage such as "90%" of the device's (or the target's)
-      memory. The knobs `min_bytes` and `swapout_threshold` are then
-      searched for the least host traffic whose predicted peak fits; a step
-      that fits as it is is not rewritten. The choice is confirmed with XLA
-      (on `target`, else on the local GPU) and searched again while XLA's
-      peak does not fit. Raises `jlms.BudgetError` when nothing fits.
-    target: "h100", "h200", "a100" (deviceless compile) or "local": where
-      XLA confirms a budget. None: the local GPU if there is one, else the
-      choice rests on the simulator alone.
+    budget: device memory the step may use, per device: bytes, a size such
+      as "20GiB", a percentage such as "90%" of the device's (or the
+      target's) memory, "device" (the default when no knob is given: the
+      memory of the local GPU or of `target`; with neither, the step runs
+      as `jax.jit`'s) or "min" (the least memory jlms reaches). The plan is
+      confirmed with XLA (on `target`, else on the local GPU) and fitted
+      again while XLA's peak does not fit. Raises `jlms.BudgetError` when
+      nothing fits.
+    target: "h100", "h200", "a100" (deviceless compile) or "local": the GPU
+      whose memory and time model the budget is fitted for, and where XLA
+      confirms it. None: the local GPU if there is one (timed as an H100),
+      else the choice rests on the simulator alone.
+    host_budget: pinned host memory the plan may hold at once, per device
+      (bytes or a size). None (default): XLA's pinned pool,
+      `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` GiB or 64, and on a local GPU no
+      more than the machine's available memory.
 
   Returns:
     An `OffloadedStep`: call it like the step; `.lower(...)`, `.trace(...)`
@@ -673,7 +709,8 @@ def offload(fun: Callable | None = None, *,
                      static_argnames=static_argnames,
                      donate_argnums=donate_argnums,
                      donate_argnames=donate_argnames, verify=verify,
-                     budget=budget, target=target, min_bytes_given=min_bytes)
+                     budget=budget, target=target, min_bytes_given=min_bytes,
+                     host_budget=host_budget)
   if fun is None:
     return lambda f: OffloadedStep(f, config, **jit_options)
   return OffloadedStep(fun, config, **jit_options)

@@ -177,3 +177,15 @@ def test_the_tradeoff_table_prices_each_budget(resnet):
   matplotlib.use("Agg")
   ax = tradeoff.plot()
   assert {line.get_gid() for line in ax.get_lines()} >= {"jlms", "jit"}
+
+
+def test_a_host_budget_bounds_what_is_copied_out():
+  case = models.mlp_case(depth=8, width=1024, batch=2048)
+  args = case.abstract_args()
+  free = jlms.offload(case.step, budget="min").plan(*args)
+  assert free.predicted_host_bytes > 0
+  bounded = jlms.offload(case.step, budget="min",
+                         host_budget=free.predicted_host_bytes // 2).plan(*args)
+  assert 0 < bounded.predicted_host_bytes <= free.predicted_host_bytes // 2
+  nothing = jlms.offload(case.step, budget="min", host_budget=1).plan(*args)
+  assert nothing.predicted_host_bytes == 0 and nothing.recomputed

@@ -54,10 +54,13 @@ def test_resnet_peak_is_at_most_a_third_of_jit():
 
 
 @pytest.mark.slow
-def test_tracing_costs_at_most_twice_make_jaxpr():
+def test_tracing_and_planning_cost_a_small_multiple_of_make_jaxpr():
+  # Measured 1.5-1.6x on an idle 2-core machine with budget="min" (trace,
+  # analyses, fused equations placed, every loop variant fitted); the bound
+  # is generous because other work on the machine skews a timing.
   cost = trace_cost(repeats=3)
   assert cost["equations"] >= 15_000
-  assert cost["ratio"] <= 2.0, cost
+  assert cost["ratio"] <= 2.5, cost
 
 
 @pytest.mark.slow
