@@ -8,10 +8,13 @@ budget, it takes, among the values that occupy the device at the peak
 without being read there, the choice that adds the least predicted step time
 per byte it frees, and simulates again.
 
-- A recomputation is a chain of elementwise and re-layout equations (what
-  XLA fuses into one kernel: a BatchNorm's normalisation, a relu, a mask)
-  whose inputs are step inputs or values alive at the far read; it costs one
-  memory-bound kernel.
+- A recomputation re-emits the pure equations that made the value, back to
+  inputs that are step inputs or values on the device at the far read
+  (at most `_MAX_CHAIN`): mostly elementwise chains XLA fuses into one
+  memory-bound kernel (a BatchNorm's normalisation, a relu, a mask), and
+  where it pays, a convolution or matmul, priced as `jlms._cost` prices it.
+  A value such a recomputation reads may still move, if it is back on the
+  device by then.
 - A copy goes to host after the last read before the gap and must have
   finished before the first equation at which compute has hidden it
   (`swap_out_done_before`); it comes back from where compute before the far
@@ -24,8 +27,9 @@ calls it again with a tighter budget if XLA disagrees.
 Guarantees: the returned offloads' predicted peak is at most the budget, or
 `BudgetError` is raised with the smallest peak reached; a step whose peak
 fits gets no offloads; every offload satisfies `jlms._planner`'s guarantees,
-and a recompute's chain reads only step inputs, constants and values alive
-at its swap-in that no other choice moves.
+a recompute's chain reads only step inputs, constants and values on the
+device at its swap-in; no copy takes the host memory in use at once above
+the host budget.
 """
 
 from __future__ import annotations
