@@ -71,6 +71,8 @@ class _Analysed:
   program: Program
   liveness: Any
   fusion: Any
+  # The step's own jaxpr as traced, for the step that runs unchanged.
+  traced: Any = None
 
   @classmethod
   def of(cls, program: Program) -> "_Analysed":
@@ -266,8 +268,9 @@ class OffloadedStep:
                  "static_argnums/static_argnames).")
       raise
     jit_params, debug_info = _compat.call_template(closed)
-    plain = _Analysed.of(flatten(closed))
-    self._unchanged = _compat.call_body_closed(closed.jaxpr.eqns[0])
+    plain = dataclasses.replace(
+        _Analysed.of(flatten(closed)),
+        traced=_compat.call_body_closed(closed.jaxpr.eqns[0]))
     baseline = simulate(plain.program, plain.liveness, fusion=plain.fusion)
     if self.budget is KNOBS:
       analysis = self._apply_knobs(plain, baseline, jit_params, debug_info,
@@ -576,7 +579,7 @@ class OffloadedStep:
   def _as_is(self, plain, baseline, jit_params, debug_info, out_trees, budget,
              xla) -> _Analysis:
     """jax.jit's program, unchanged, with its plan."""
-    rewritten = self._unchanged  # the step's own jaxpr, as traced
+    rewritten = plain.traced  # the step's own jaxpr, as traced
     if self.config.serialize or self.config.serialize_by_size is not None:
       rewritten = self._rewrite(plain.program, plain.liveness, (),
                                 self.config, debug_info, plain.fusion)
