@@ -1,11 +1,12 @@
 """The memory/time frontier of four train steps on an H100 (issue 13).
 
-    python -m benchmarks.frontier [--case resnet|gpt_f32|gpt_bf16|scan_mlp|all]
+    python -m benchmarks.frontier [--case resnet|gpt_f32|gpt_bf16|scan_mlp|resnet_1024|all]
                                   [--configs SUBSTRING ...] [--json PATH]
 
 For each step (`benchmarks.frontier_cases`: the 16-block BatchNorm ResNet at
 256x256, the `nn.scan` GPT decoder in float32 and in bfloat16 compute, and
-the 16-layer `jax.lax.scan` MLP), every configuration in `CONFIGS` is
+the 16-layer `jax.lax.scan` MLP; the ResNet at 1024x1024, which does not
+fit an H100 under jax.jit), every configuration in `CONFIGS` is
 compiled deviceless for the H100 (`jlms.xla_memory(..., target="h100")`),
 and its row holds XLA's device peak and host bytes and the step time that
 the schedule yardstick `../shared/tools/step_time.py` (`estimate(hlo)`)
@@ -21,7 +22,10 @@ The configurations:
   and remat's XLA peaks), the second also with
   `xla_gpu_enable_host_memory_offloading`: XLA's own answer to a limit;
 - `jlms budget halfway`, `jlms budget remat-peak`:
-  `jlms.offload(step, budget=B, target="h100")`.
+  `jlms.offload(step, budget=B, target="h100")`;
+- `jlms fits the device`: `jlms.offload(step, target="h100")`, no knobs:
+  jax.jit's program for a step that fits, the fastest plan that fits the
+  H100's memory for one that does not.
 
 A configuration that fails (an option this XLA refuses, a `BudgetError`)
 records the first line of its error in its row; the others go on. Nothing
@@ -73,6 +77,9 @@ CASES: dict[str, Callable[[], tuple[models.StepCase, models.StepCase]]] = {
     "gpt_bf16": lambda: (frontier_cases.gpt(compute_dtype=jnp.bfloat16),
                          frontier_cases.gpt(remat=True, compute_dtype=jnp.bfloat16)),
     "scan_mlp": lambda: (frontier_cases.scan_mlp(), frontier_cases.scan_mlp(remat=True)),
+    # Does not fit an H100 under jax.jit (94.6 GiB by XLA deviceless).
+    "resnet_1024": lambda: (frontier_cases.resnet(image_size=1024),
+                            frontier_cases.resnet(remat=True, image_size=1024)),
 }
 
 
@@ -177,6 +184,7 @@ def _jlms_budget(name: str) -> Callable[[Subject], Variant]:
 
 JIT = "jax.jit"
 REMAT = "remat nothing_saveable"
+FITS_DEVICE = "jlms fits the device"
 
 # In order: the budgets of later rows come from the peaks of the first two.
 CONFIGS: list[Config] = [
@@ -186,6 +194,9 @@ CONFIGS: list[Config] = [
     Config("xla slop halfway + host offload", _xla_limit(host_offload=True)),
     Config("jlms budget halfway", _jlms_budget("halfway")),
     Config("jlms budget remat-peak", _jlms_budget("remat-peak")),
+    # No knobs: fit the device the step is compiled for (the target here).
+    Config(FITS_DEVICE, lambda subject: jlms.offload(subject.case.step,
+                                                     target=TARGET)),
 ]
 
 
@@ -293,6 +304,27 @@ def criteria(rows: list[dict]) -> list[str]:
                 lines.append(f"{case} {label} ({name}): {t:.1f} ms; jax.jit {j:.1f}, "
                              f"remat {r:.1f}, bound {min(r, limit):.1f}: "
                              f"{'met' if ok else 'NOT met'}")
+        device = by.get(FITS_DEVICE)
+        if not (jit and remat and device) or device["error"] or jit["error"]:
+            continue
+        memory = _device_memory_bytes()
+        if jit["peak_bytes"] <= memory:
+            same = (device["peak_bytes"] == jit["peak_bytes"]
+                    and not device["host_bytes"])
+            lines.append(f"{case} {FITS_DEVICE}: jax.jit fits; peak "
+                         f"{device['peak_bytes'] / GIB:.2f} GiB, host "
+                         f"{device['host_bytes'] / GIB:.2f} GiB: "
+                         f"{'jax.jit program' if same else 'NOT jax.jit program'}")
+        else:
+            ok = (device["peak_bytes"] <= memory and device["host_bytes"] <= 64 * GIB
+                  and device["total_ms"] is not None and remat["total_ms"] is not None
+                  and device["total_ms"] <= remat["total_ms"])
+            lines.append(f"{case} {FITS_DEVICE}: jax.jit does not fit "
+                         f"({jit['peak_bytes'] / GIB:.1f} GiB); peak "
+                         f"{device['peak_bytes'] / GIB:.2f} GiB, host "
+                         f"{device['host_bytes'] / GIB:.2f} GiB, yardstick "
+                         f"{device['total_ms']} ms against remat's "
+                         f"{remat['total_ms']}: {'met' if ok else 'NOT met'}")
     return lines
 
 

@@ -126,6 +126,11 @@ REDUCTION_PRIMITIVES = _primitives(
     "argmax_p", "argmin_p", "reduce_and_p", "reduce_max_p", "reduce_min_p",
     "reduce_or_p", "reduce_prod_p", "reduce_sum_p", "reduce_xor_p")
 
+#: Cotangent accumulation (`add_any`): XLA fuses its operands into its
+#: kernel (a broadcast cotangent is never a buffer of its own), but its sum
+#: is read by several backward kernels and kept as a buffer.
+ACCUMULATION_PRIMITIVES = _primitives("add_jaxvals_p")
+
 #: Elementwise primitives costly enough that XLA computes them once into a
 #: buffer rather than again inside each of several readers.
 EXPENSIVE_PRIMITIVES = _primitives(
@@ -378,6 +383,15 @@ def bind_jit(params: dict, closed, args) -> list:
     raise _unsupported("a jit equation without an 'inline' parameter")
   return _JIT_PRIMITIVES[0].bind(
       *args, **{**params, "jaxpr": closed, "inline": _INLINE_INTO_CALLER})
+
+
+def bind_equation(eqn, args) -> list:
+  """Stages (or evaluates) `eqn`, an equation with no sub-jaxprs, on `args`
+  with its own params; its results as a list."""
+  if sub_jaxprs(eqn):
+    raise _unsupported(f"binding a {eqn.primitive} equation with a body")
+  out = eqn.primitive.bind(*args, **eqn.params)
+  return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def extend_name_stack(stack, name: str):

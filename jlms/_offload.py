@@ -30,6 +30,7 @@ from jlms._config import OffloadConfig, SyncMode
 from jlms._liveness import analyse, largest_equation
 from jlms._loop_remat import (cheapest, loop_rematerializations,
                               rematerialize_in_loops)
+from jlms._loop_sink import loop_sinks, sink_into_loops
 from jlms._loops import find_scan_residuals, offload_scan_residuals
 from jlms._plan import Plan, build_plan
 from jlms._planner import Offload, plan_offloads
@@ -56,7 +57,7 @@ _CACHE_SIZE = 32
 KNOBS = "knobs"
 DEVICE = "device"
 MINIMUM = "min"
-_CONFIRMATIONS = 4  # XLA compiles at most, when fitting a budget
+_CONFIRMATIONS = 2  # XLA compiles of a plan at most (after the step as it is)
 # Shares of a scan's residuals (the cheapest to remake first) that the
 # backward loop remakes, one variant of the step each.
 _LOOP_REMAT_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
@@ -429,39 +430,85 @@ class OffloadedStep:
                "for a whole-step peak of %s", unseen, format_bytes(searched))
     times = time_target(self.target)
     config = dataclasses.replace(self.config, sync_mode=SyncMode.NONE)
-    placed, residuals, result = self._fastest_fit(plain, searched, times)
+    try:
+      placed, residuals, result = self._fastest_fit(plain, searched, times)
+      simulator_refused = False
+    except BudgetError as error:
+      if target is None or budget is None or error.smallest_bytes is None:
+        raise
+      # The simulator overstates some peaks (a loop body's working memory
+      # most): XLA says whether jlms's least-memory plan fits after all.
+      log.info("jlms: the simulator's smallest peak is %s, above the budget; "
+               "asking XLA", format_bytes(error.smallest_bytes))
+      placed, residuals, result = self._fastest_fit(plain, None, times)
+      searched = result.timeline.peak_bytes
+      simulator_refused = True
     if (not result.offloads and placed is self._placed_variants(plain)[0][0]
         and budget is None):
       # As little memory as jlms reaches is the step as it is.
       return self._as_is(plain, baseline, jit_params, debug_info, out_trees,
                          budget, None)
-    measured = None
-    for _ in range(_CONFIRMATIONS):
-      rewritten = rewrite(
+
+    def rewritten_of(placed, result):
+      return rewrite(
           placed.program, result.offloads, config, debug_info,
           fusion=placed.fusion, pin_contractions=True,
           serialized=_serialized(placed.program, placed.liveness, config,
                                  placed.fusion))
-      if target is None:
-        break
+
+    rewritten = rewritten_of(placed, result)
+    measured = None
+    if target is not None:
       measured = self._xla_peak(jit_params, rewritten, abstract, target)
+      smallest = measured
       log.info("jlms: XLA's peak on %s: %s (budget %s)", target,
                format_bytes(measured),
                "none" if budget is None else format_bytes(budget))
-      if budget is None or measured <= budget:
-        break
+    compiles = 1
+    while budget is not None and measured is not None and measured > budget:
+      if simulator_refused or compiles >= _CONFIRMATIONS:
+        error = BudgetError(
+            f"jlms: the step does not fit a budget of {format_bytes(budget)} "
+            f"on {target}: the smallest peak XLA compiled for a jlms plan is "
+            f"{format_bytes(smallest)}; raise the budget to at least that")
+        error.smallest_bytes = smallest
+        raise error
       # The simulator was optimistic: ask it for proportionally less.
       searched = int(searched * budget / measured * 0.97)
       log.info("jlms: searching again for a predicted peak of %s",
                format_bytes(searched))
-      result = fit(placed.program, placed.liveness, searched, times,
-                   self._min_bytes(searched), placed.fusion, residuals,
-                   self._host_budget_bytes())
-    else:
-      raise BudgetError(
-          f"jlms: XLA's peak on {target} is {format_bytes(measured)}, above "
-          f"the budget of {format_bytes(budget)}, after {_CONFIRMATIONS} "
-          "fits; raise the budget")
+      try:
+        result = fit(placed.program, placed.liveness, searched, times,
+                     self._min_bytes(searched), placed.fusion, residuals,
+                     self._host_budget_bytes())
+      except BudgetError:
+        simulator_refused = True  # no smaller plan of this kind: say so
+        continue
+      rewritten = rewritten_of(placed, result)
+      measured = self._xla_peak(jit_params, rewritten, abstract, target)
+      smallest = min(smallest, measured)
+      compiles += 1
+      log.info("jlms: XLA's peak on %s: %s (budget %s)", target,
+               format_bytes(measured), format_bytes(budget))
+    if (measured is not None and budget is not None and compiles == 1
+        and measured < 0.95 * budget):
+      # The simulator overstated this plan's peak (a loop body's working
+      # memory most): a plan that it thinks larger, and that is faster,
+      # may fit too. One more compile says.
+      relaxed = int(searched * budget / measured * 0.97)
+      try:
+        faster = self._fastest_fit(plain, relaxed, times)
+      except BudgetError:
+        faster = None
+      if (faster is not None and faster[2].step_time.total_s
+          < 0.98 * result.step_time.total_s):
+        candidate = rewritten_of(faster[0], faster[2])
+        peak = self._xla_peak(jit_params, candidate, abstract, target)
+        log.info("jlms: XLA's peak on %s of a faster plan: %s", target,
+                 format_bytes(peak))
+        if peak <= budget:
+          placed, residuals, result = faster
+          rewritten, measured = candidate, peak
     placed_liveness = placed.liveness
     plan = build_plan(
         placed.program, placed_liveness, result.offloads, config, baseline,
@@ -553,7 +600,16 @@ class OffloadedStep:
     yield plain_program, plain_liveness, (), "loops as they are"
     if not self.config.scan_residuals:
       return
-    pairs = loop_rematerializations(plain_program, plain_liveness,
+    # Loop-invariant masks and fills that autodiff hoisted out of the scans
+    # are made inside them again: every variant below rewrites its loops
+    # anyway, and each such input is a buffer alive through both loops.
+    sinks = loop_sinks(plain_program, plain_liveness)
+    base_program = sink_into_loops(plain_program, sinks)
+    base_liveness = analyse(base_program) if sinks else plain_liveness
+    if sinks:
+      yield (base_program, base_liveness, (),
+             f"loops making {len(sinks)} loop-invariant inputs inside")
+    pairs = loop_rematerializations(base_program, base_liveness,
                                     target=time_target(self.target))
     # The cheapest residuals (time to remake a byte) first: remaking all of
     # them is per-layer remat; a budget may need only some.
@@ -564,15 +620,15 @@ class OffloadedStep:
       if not pairs or key in seen:
         continue
       seen.add(key)
-      program = rematerialize_in_loops(plain_program, chosen)
+      program = rematerialize_in_loops(base_program, chosen)
       remade = sum(len(c.residuals) for c in chosen)
       yield (program, analyse(program), (),
              f"{len(chosen)} loops remaking {remade} of their residuals")
-    residuals = find_scan_residuals(plain_program, plain_liveness,
+    residuals = find_scan_residuals(base_program, base_liveness,
                                     dataclasses.replace(
                                         self.config, swapout_threshold=2))
     if residuals:
-      program = offload_scan_residuals(plain_program, residuals)
+      program = offload_scan_residuals(base_program, residuals)
       yield (program, analyse(program), residuals,
              f"{len(residuals)} scan residuals streamed through host")
 

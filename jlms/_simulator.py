@@ -77,7 +77,8 @@ def analyse_fusion(program: Program, liveness: Liveness,
     has_body[index] = bool(_compat.sub_jaxprs(equation.eqn))
     fusible[index] = _compat.is_fusible_equation(equation.eqn)
     takes_fused[index] = fusible[index] or (
-        primitive in _compat.REDUCTION_PRIMITIVES)
+        primitive in _compat.REDUCTION_PRIMITIVES) or (
+        primitive in _compat.ACCUMULATION_PRIMITIVES)
     expensive[index] = primitive in _compat.EXPENSIVE_PRIMITIVES
 
   materialized = np.ones(n_values, dtype=bool)

@@ -1,0 +1,179 @@
+"""Loop inputs that are cheap expansions, made inside the loop instead.
+
+Autodiff of a scan hoists the residuals that do not depend on the
+iteration out of the loop (JAX's scan partial evaluation): an attention
+mask broadcast to `[batch, heads, seq, seq]`, a fill value broadcast to the
+scores' shape. Both the forward and the backward scan then read them as
+loop-invariant inputs, and XLA keeps each as a buffer for as long as either
+loop runs (a GPT decoder of width 512 at sequence 1024, batch 8: 320 MiB
+for a mask and a fill, beside a 2 GiB peak). Made inside the loop body they
+cost nothing: XLA fuses a broadcast into the kernel that reads it.
+
+Two pure steps: `loop_sinks` finds the loop inputs made by a short chain of
+fusible, pure equations from values at least `_EXPANSION` times smaller
+(analysis); `sink_into_loops` returns the new `Program` whose scans take
+the small values and run the chain in their body (rewrite). The new scans
+are traced from Python with public `jax.lax.scan`, so JAX writes their
+parameters, and stay scans that later passes (`jlms._loop_remat`) read.
+
+Guarantees: the new program computes the same values (the chain is the
+same equations on the same inputs, run once per iteration instead of once);
+every value keeps its id; the equations that made the sunk input outside
+the loop stay, and are dead where nothing else reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jlms import _compat
+from jlms._liveness import Liveness
+from jlms._program import Const, Equation, Program
+
+#: A loop input is sunk only when the values its chain starts from are at
+#: least this many times smaller than it: a broadcast, an iota, a mask.
+_EXPANSION = 4
+#: The longest chain re-run per iteration (an iota, a compare, a select and
+#: a broadcast make a causal mask).
+_MAX_CHAIN = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSink:
+  """One loop-invariant input of a scan, made inside its body instead."""
+  loop: int  # equation index of the scan
+  position: int  # the input's position among the scan's consts
+  value: int  # the input's value id
+  chain: tuple[int, ...]  # indices of the equations that make it, in order
+  leaves: tuple[int, ...]  # value ids the chain reads from outside itself
+
+
+def loop_sinks(program: Program, liveness: Liveness,
+               min_bytes: int = 1 << 20) -> tuple[LoopSink, ...]:
+  """The consts (of at least `min_bytes`) of each scan that a chain of at
+  most `_MAX_CHAIN` pure fusible equations makes from values at least
+  `_EXPANSION` times smaller."""
+  found = []
+  for index, equation in enumerate(program.equations):
+    if equation.primitive is not _compat.scan_p:
+      continue
+    layout = _compat.scan_layout(equation.eqn)
+    for position, atom in enumerate(equation.inputs[:layout.num_consts]):
+      if isinstance(atom, Const) or liveness.nbytes[atom] < min_bytes:
+        continue
+      made = _expansion_chain(program, liveness, atom)
+      if made is not None:
+        chain, leaves = made
+        found.append(LoopSink(index, position, atom, chain, leaves))
+  return tuple(found)
+
+
+def _expansion_chain(program: Program, liveness: Liveness, value: int):
+  """(chain, leaves) making `value` by pure fusible equations from leaves
+  `_EXPANSION` times smaller, or None."""
+  chain: set[int] = set()
+  leaves: set[int] = set()
+  pending = [value]
+  while pending:
+    current = pending.pop()
+    index = liveness.producer[current]
+    if index < 0 or 4 * liveness.nbytes[current] < liveness.nbytes[value]:
+      leaves.add(current)  # a step input, or already small
+      continue
+    if index in chain:
+      continue
+    eqn = program.equations[index].eqn
+    if not (_compat.is_fusible_equation(eqn) and _compat.is_recomputable(eqn)):
+      return None
+    chain.add(index)
+    if len(chain) > _MAX_CHAIN:
+      return None
+    for atom in program.equations[index].inputs:
+      if not isinstance(atom, Const):
+        pending.append(atom)
+      elif atom.literal is None:
+        return None  # a captured array: the scan would close over it
+  if _EXPANSION * sum(liveness.nbytes[v] for v in leaves) > liveness.nbytes[value]:
+    return None
+  return tuple(sorted(chain)), tuple(sorted(leaves))
+
+
+def sink_into_loops(program: Program, sinks: tuple[LoopSink, ...]) -> Program:
+  """`program` with each sink's scan making that input in its body."""
+  if not sinks:
+    return program
+  by_loop: dict[int, list[LoopSink]] = {}
+  for sink in sinks:
+    by_loop.setdefault(sink.loop, []).append(sink)
+  equations = list(program.equations)
+  for loop, chosen in by_loop.items():
+    equations[loop] = _scan_making_inputs(program, program.equations[loop],
+                                          chosen)
+  return dataclasses.replace(program, equations=tuple(equations))
+
+
+def _make_inputs(program: Program, sinks: list[LoopSink], leaves: list[int],
+                 leaf_values) -> list:
+  """Each sink's value, made by running its chain (shared equations once)
+  on `leaf_values` in the current trace."""
+  env = dict(zip(leaves, leaf_values))
+
+  def read(atom):
+    return atom.value if isinstance(atom, Const) else env[atom]
+
+  for index in sorted({i for sink in sinks for i in sink.chain}):
+    equation = program.equations[index]
+    results = _compat.bind_equation(equation.eqn,
+                                    [read(a) for a in equation.inputs])
+    env.update(zip(equation.outputs, results))
+  return [env[sink.value] for sink in sinks]
+
+
+def _scan_making_inputs(program: Program, scan: Equation,
+                        sinks: list[LoopSink]) -> Equation:
+  layout = _compat.scan_layout(scan.eqn)
+  nc, nk = layout.num_consts, layout.num_carry
+  body_jaxpr, body_consts = _compat.jaxpr_parts(layout.body)
+  leaves = sorted({v for sink in sinks for v in sink.leaves})
+  sunk = {sink.position for sink in sinks}
+  kept = [p for p in range(nc) if p not in sunk]
+  made_at = {sink.position: k for k, sink in enumerate(sinks)}
+  nl, nkept = len(leaves), len(kept)
+
+  def call(*args):
+    leaf_values = args[:nl]
+    kept_consts = args[nl:nl + nkept]
+    carry = list(args[nl + nkept:nl + nkept + nk])
+    xs = list(args[nl + nkept + nk:])
+
+    def iteration(carry, x):
+      made = _make_inputs(program, sinks, leaves, leaf_values)
+      kept_iter = iter(kept_consts)
+      consts = [made[made_at[p]] if p in sunk else next(kept_iter)
+                for p in range(nc)]
+      outs = _compat.eval_jaxpr(body_jaxpr, body_consts, *consts, *carry, *x)
+      return outs[:nk], outs[nk:]
+
+    carry_out, ys = jax.lax.scan(iteration, carry, xs, length=layout.length,
+                                 reverse=layout.reverse)
+    return [*carry_out, *ys]
+
+  inputs = (*leaves, *(scan.inputs[p] for p in kept), *scan.inputs[nc:])
+  structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (
+      _compat.abstractify(atom.value) if isinstance(atom, Const)
+      else program.avals[atom] for atom in inputs)]
+  traced = jax.make_jaxpr(call)(*structs)
+  # `call` stages exactly one scan, on its own arguments in order: that
+  # equation replaces the old one, so that later passes see a scan.
+  jaxpr, consts = _compat.jaxpr_parts(traced)
+  if (consts or len(jaxpr.eqns) != 1
+      or jaxpr.eqns[0].primitive is not _compat.scan_p
+      or list(jaxpr.eqns[0].invars) != list(jaxpr.invars)
+      or list(jaxpr.eqns[0].outvars) != list(jaxpr.outvars)):
+    raise _compat.UnsupportedJaxError(
+        "jlms: tracing a scan that makes its inputs gave another jaxpr")
+  eqn = jaxpr.eqns[0].replace(source_info=scan.eqn.source_info,
+                              ctx=scan.eqn.ctx)
+  return dataclasses.replace(scan, eqn=eqn, inputs=inputs)
