@@ -83,69 +83,11 @@ device_put_p = _prims.device_put_p
 from jax._src.lax.lax import optimization_barrier_p as barrier_p  # noqa: E402
 scan_p = _prims.scan_p
 
-#: Primitives that only re-lay out or re-type their operand. XLA folds them
-#: into their producer or consumer; a barrier between them and their producer
-#: would force the value to be materialised a second time.
-LAYOUT_PRIMITIVES = frozenset((
-    _prims.transpose_p, _prims.reshape_p, _prims.broadcast_in_dim_p,
-    _prims.squeeze_p, _prims.convert_element_type_p))
-
-
-def _primitives(*names: str) -> frozenset:
-  # Attribute lookups of primitive objects; a name missing from this JAX
-  # version is skipped rather than matched by string elsewhere.
-  return frozenset(p for p in (getattr(_prims, n, None) for n in names)
-                   if p is not None)
-
-
-#: Elementwise and re-layout primitives: XLA's GPU fusion computes them inside
-#: the kernel of the operation that reads them, so their results are not
-#: buffers of their own when every reader can take them fused.
-FUSIBLE_PRIMITIVES = _primitives(
-    "abs_p", "add_p", "and_p", "atan2_p", "broadcast_in_dim_p", "cbrt_p",
-    "ceil_p", "clamp_p", "concatenate_p", "convert_element_type_p", "copy_p",
-    "cos_p", "div_p", "eq_p", "erf_inv_p", "erf_p", "erfc_p", "exp2_p",
-    "exp_p", "expm1_p", "floor_p", "ge_p", "gt_p", "imag_p", "integer_pow_p",
-    "iota_p", "is_finite_p", "le_p", "log1p_p", "log_p", "logistic_p", "lt_p",
-    "max_p", "min_p", "mul_p", "ne_p", "neg_p", "not_p", "or_p", "pad_p",
-    "pow_p", "real_p", "reduce_precision_p", "rem_p", "reshape_p", "rev_p",
-    "round_p", "rsqrt_p", "select_n_p", "shift_left_p",
-    "shift_right_arithmetic_p", "shift_right_logical_p", "sign_p", "sin_p",
-    "slice_p", "sqrt_p", "square_p", "squeeze_p", "stop_gradient_p", "sub_p",
-    "tan_p", "tanh_p", "transpose_p", "xor_p",
-    # inverse and hyperbolic trigonometry, bit tricks, special functions
-    "acos_p", "acosh_p", "asin_p", "asinh_p", "atan_p", "atanh_p", "cosh_p",
-    "sinh_p", "clz_p", "population_count_p", "nextafter_p", "conj_p",
-    "complex_p", "lgamma_p", "digamma_p",
-    # new in JAX 0.12: tanh's derivative is `one_minus_square(tanh(x))`
-    "log2_p", "one_minus_square_p", "polynomial_p")
-
-#: Reductions: XLA fuses elementwise producers into a reduction kernel, whose
-#: (small) result is a buffer.
-REDUCTION_PRIMITIVES = _primitives(
-    "argmax_p", "argmin_p", "reduce_and_p", "reduce_max_p", "reduce_min_p",
-    "reduce_or_p", "reduce_prod_p", "reduce_sum_p", "reduce_xor_p")
-
-#: Cotangent accumulation (`add_any`): XLA fuses its operands into its
-#: kernel (a broadcast cotangent is never a buffer of its own), but its sum
-#: is read by several backward kernels and kept as a buffer.
-ACCUMULATION_PRIMITIVES = _primitives("add_jaxvals_p")
-
-#: Elementwise primitives costly enough that XLA computes them once into a
-#: buffer rather than again inside each of several readers.
-EXPENSIVE_PRIMITIVES = _primitives(
-    "atan2_p", "cos_p", "erf_inv_p", "erf_p", "erfc_p", "exp2_p", "exp_p",
-    "expm1_p", "log1p_p", "log_p", "logistic_p", "pow_p", "rsqrt_p", "sin_p",
-    "sqrt_p", "tan_p", "tanh_p", "div_p", "rem_p", "acos_p", "acosh_p",
-    "asin_p", "asinh_p", "atan_p", "atanh_p", "cosh_p", "sinh_p", "lgamma_p",
-    "digamma_p", "log2_p")
-
-
-#: Call-like primitives whose body XLA inlines: an equation of one of them is
-#: as fusible as its body (`jax.nn.relu` is a `custom_jvp_call` of a max).
-_TRANSPARENT_CALLS = _primitives(
-    "custom_jvp_call_p", "custom_vjp_call_p", "remat_p", "closed_call_p",
-    "call_p", "jit_p", "pjit_p")
+def primitives_named(*names: str) -> tuple:
+  """The primitive objects of `names` (without the `_p` suffix) that this
+  JAX has; a name it lacks is skipped rather than matched by string."""
+  found = (getattr(_prims, f"{name}_p", None) for name in names)
+  return tuple(p for p in found if p is not None)
 
 
 def sub_jaxprs(eqn) -> list:
@@ -209,18 +151,6 @@ def with_call_body(eqn, body, name: str, **fields):
 def call_body_closed(eqn):
   """The body of a nested-jit equation as it is stored (closed)."""
   return _param(eqn, "jaxpr")
-
-
-def is_fusible_equation(eqn) -> bool:
-  """Whether XLA computes `eqn` inside the kernels that read its results:
-  an elementwise or re-layout primitive, or a call of only such."""
-  if eqn.primitive in FUSIBLE_PRIMITIVES:
-    return True
-  if eqn.primitive not in _TRANSPARENT_CALLS:
-    return False
-  bodies = sub_jaxprs(eqn)
-  return bool(bodies) and all(is_fusible_equation(e)
-                              for body in bodies for e in body.eqns)
 
 
 def is_jit_primitive(primitive) -> bool:

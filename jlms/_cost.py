@@ -30,7 +30,7 @@ import types
 
 import numpy as np
 
-from jlms import _compat
+from jlms import _compat, _rules
 from jlms._liveness import analyse
 from jlms._program import Program, flatten
 
@@ -138,7 +138,7 @@ def kernel_seconds(program: Program, target: GpuTarget, fusion=None,
       if materialized[out]:
         touched[at].add(out)
     bodies = _compat.sub_jaxprs(eqn)
-    if bodies and not _compat.is_fusible_equation(eqn):
+    if bodies and not _rules.is_fusible_equation(eqn):
       costs = [_body_seconds(body, target, body_cache) for body in bodies]
       trips = _compat.loop_trip_count(eqn)
       if trips is not None:

@@ -28,7 +28,7 @@ import dataclasses
 
 import jax
 
-from jlms import _compat
+from jlms import _compat, _rules
 from jlms._liveness import Liveness
 from jlms._program import Const, Equation, Program
 
@@ -85,7 +85,7 @@ def _expansion_chain(program: Program, liveness: Liveness, value: int):
     if index in chain:
       continue
     eqn = program.equations[index].eqn
-    if not (_compat.is_fusible_equation(eqn) and _compat.is_recomputable(eqn)):
+    if not (_rules.is_fusible_equation(eqn) and _compat.is_recomputable(eqn)):
       return None
     chain.add(index)
     if len(chain) > _MAX_CHAIN:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jlms import _compat
+from jlms import _compat, _rules
 from jlms._liveness import Liveness
 from jlms._program import Equation, Program
 
@@ -86,7 +86,7 @@ def _is_fused(program: Program, index: int, fusion) -> bool:
   fusible equation none of whose outputs gets a buffer, that something
   reads."""
   equation = program.equations[index]
-  if not _compat.is_fusible_equation(equation.eqn):
+  if not _rules.is_fusible_equation(equation.eqn):
     return False
   if any(fusion.materialized[out] for out in equation.outputs):
     return False

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jlms import _compat
+from jlms import _compat, _rules
 from jlms._config import OffloadConfig
 from jlms._liveness import Liveness, is_expansion
 from jlms._program import Program
@@ -94,7 +94,7 @@ def _before_relayouts(program: Program, offload: Offload) -> Offload:
   for swap_in in offload.swap_ins:
     at = swap_in.issue_before
     if (offload.swap_out_after + 1 < at < len(program)
-        and program.equations[at].primitive in _compat.LAYOUT_PRIMITIVES
+        and _rules.rule(program.equations[at].primitive).relayout_only
         and set(program.equations[at].inputs)
         & set(program.equations[at - 1].outputs)):
       swap_in = dataclasses.replace(swap_in, issue_before=at - 1)

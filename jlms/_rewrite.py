@@ -44,7 +44,7 @@ from collections import defaultdict
 
 import jax
 
-from jlms import _compat
+from jlms import _compat, _rules
 from jlms._config import OffloadConfig, SyncMode
 from jlms._planner import Offload
 from jlms._program import Const, Program
@@ -280,7 +280,7 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
     # A re-layout of a reader's output stands in for it: XLA folds the two
     # together only if the barrier reads the re-laid-out value, not both.
     relayed = [a for a in equation.inputs if a in offloaded_reader_outputs]
-    if equation.primitive in _compat.LAYOUT_PRIMITIVES and relayed:
+    if _rules.rule(equation.primitive).relayout_only and relayed:
       offloaded_reader_outputs = [a for a in offloaded_reader_outputs
                                   if a not in relayed]
       reads_offloaded = True

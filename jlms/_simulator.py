@@ -33,7 +33,7 @@ import dataclasses
 
 import numpy as np
 
-from jlms import _compat
+from jlms import _compat, _rules
 from jlms._liveness import Liveness, analyse, aval_nbytes, is_expansion
 from jlms._planner import Offload
 from jlms._program import Program, flatten
@@ -68,18 +68,21 @@ def analyse_fusion(program: Program, liveness: Liveness,
   # An optimization barrier (one `jax.checkpoint` puts on its inputs) makes
   # no buffer: its outputs are its inputs, alive until their last read.
   aliasing = np.zeros(n, dtype=bool)
-  # Loops and calls: XLA sinks a broadcast they read into their bodies
-  # rather than materialise it outside (an attention mask, a fill value).
+  # Loops and calls make a broadcast they read inside their bodies (an
+  # attention mask, a fill value: `jlms._loop_sink` puts them there in the
+  # plans it rewrites), and a cotangent sum computes a broadcast operand in
+  # its kernel; other operands both read from buffers.
   has_body = np.zeros(n, dtype=bool)
+  takes_expansions = np.zeros(n, dtype=bool)
   for index, equation in enumerate(equations):
     primitive = equation.primitive
     aliasing[index] = primitive is _compat.barrier_p
     has_body[index] = bool(_compat.sub_jaxprs(equation.eqn))
-    fusible[index] = _compat.is_fusible_equation(equation.eqn)
-    takes_fused[index] = fusible[index] or (
-        primitive in _compat.REDUCTION_PRIMITIVES) or (
-        primitive in _compat.ACCUMULATION_PRIMITIVES)
-    expensive[index] = primitive in _compat.EXPENSIVE_PRIMITIVES
+    rule = _rules.rule(primitive)
+    fusible[index] = _rules.is_fusible_equation(equation.eqn)
+    takes_fused[index] = fusible[index] or rule.takes_fused_operands
+    takes_expansions[index] = has_body[index] or rule.takes_fused_expansions
+    expensive[index] = rule.computed_once
 
   materialized = np.ones(n_values, dtype=bool)
   for value in range(n_values):
@@ -95,7 +98,7 @@ def analyse_fusion(program: Program, liveness: Liveness,
       continue
     if reads[-1] >= n:
       continue  # a step output
-    if not all(takes_fused[r] or (has_body[r] and is_expansion(
+    if not all(takes_fused[r] or (takes_expansions[r] and is_expansion(
         program, liveness, value)) for r in reads):
       continue
     if len(reads) > 1 and expensive[made_by]:
@@ -268,7 +271,7 @@ def body_working_bytes(program: Program) -> np.ndarray:
   working = np.zeros(len(program), dtype=np.int64)
   cache: dict[int, int] = {}
   for index, equation in enumerate(program.equations):
-    if _compat.is_fusible_equation(equation.eqn):
+    if _rules.is_fusible_equation(equation.eqn):
       continue
     for body in _compat.sub_jaxprs(equation.eqn):
       key = id(body)

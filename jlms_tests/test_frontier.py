@@ -52,18 +52,25 @@ def test_resnet_at_remats_peak_is_no_slower_than_remat(resnet):
 
 
 @pytest.mark.slow
-def test_scanned_gpt_halfway_remakes_residuals_in_the_loop():
+def test_scanned_gpt_fits_remats_peak_by_remaking_residuals_in_the_loop():
   case, remat_case = frontier_cases.gpt(), frontier_cases.gpt(True)
   args, jit, remat = _peaks(case, remat_case)
   budget = (jit + remat) // 2
   ms, plan = _predicted_ms(case.step, args, budget=budget)
-  assert plan.xla_peak_bytes <= budget
+  # Residuals remade in the backward loop, and the mask and fill that
+  # autodiff hoisted out of the loops made inside them: below remat's peak.
+  assert plan.xla_peak_bytes <= remat
   assert plan.offloaded_bytes == 0  # nothing crosses the host link
   # jlms's model prices this step's jax.jit low (43.5 ms against 56.3 ms
   # measured on an H100) and remat high (48.6 against 43.4): the bound it
   # holds to is remat's own predicted time, within 10%.
   remat_ms, _ = _predicted_ms(remat_case.step, args, budget="1TiB")
   assert ms <= 1.10 * remat_ms
+  # At remat's own peak the simulator finds no plan (it overstates the
+  # backward loop's working memory); XLA, asked about the least-memory
+  # plan, finds it fits.
+  _, at_remat = _predicted_ms(case.step, args, budget=remat)
+  assert at_remat.xla_peak_bytes <= remat
 
 
 @pytest.mark.slow

@@ -1,0 +1,115 @@
+"""What jlms knows about each primitive, in one table keyed by primitive.
+
+Every analysis that asks how XLA's GPU compiler treats an equation reads it
+here: whether the equation's result is computed inside the kernels that
+read it (and so is no buffer of its own), whether its kernel computes its
+fusible operands inline, whether a costly elementwise result is computed
+once rather than again in each reader, whether it only re-lays out its
+operand, and whether it is a contraction priced by its FLOPs. JAX's own
+passes keep per-primitive knowledge the same way (`pe.dce_rules`,
+`ad.primitive_jvps`).
+
+Guarantees: `rule(p)` answers for every primitive; one this table does not
+name is opaque (a kernel of its own reading buffers), which can only make
+the simulator's peaks larger, never smaller. Primitives are matched by
+object, looked up by name through `jlms._compat`; a name this JAX lacks is
+left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+from jlms import _compat
+
+
+@dataclasses.dataclass(frozen=True)
+class PrimitiveRule:
+  #: XLA computes the result inside each kernel that reads it (elementwise
+  #: and re-layout primitives), when every reader can take it fused.
+  fuses_into_readers: bool = False
+  #: Its kernel computes fusible operands inline, though its own result is a
+  #: buffer (reductions).
+  takes_fused_operands: bool = False
+  #: Its kernel computes a broadcast operand inline (cotangent accumulation:
+  #: a broadcast cotangent is never a buffer of its own), but reads other
+  #: operands from buffers.
+  takes_fused_expansions: bool = False
+  #: Elementwise and costly: read by several kernels it is computed once,
+  #: into a buffer.
+  computed_once: bool = False
+  #: Only re-lays out or re-types its operand: XLA folds it into its
+  #: producer or consumer, so a barrier must not separate the two.
+  relayout_only: bool = False
+  #: A call whose body XLA inlines: as fusible as that body.
+  transparent_call: bool = False
+
+
+OPAQUE = PrimitiveRule()
+
+_ELEMENTWISE = (
+    "abs", "add", "and", "atan2", "cbrt", "ceil", "clamp", "concatenate",
+    "copy", "cos", "div", "eq", "erf_inv", "erf", "erfc", "exp2", "exp",
+    "expm1", "floor", "ge", "gt", "imag", "integer_pow", "iota", "is_finite",
+    "le", "log1p", "log", "logistic", "lt", "max", "min", "mul", "ne", "neg",
+    "not", "or", "pad", "pow", "real", "reduce_precision", "rem", "rev",
+    "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic",
+    "shift_right_logical", "sign", "sin", "slice", "sqrt", "square",
+    "stop_gradient", "sub", "tan", "tanh", "xor",
+    # inverse and hyperbolic trigonometry, bit tricks, special functions
+    "acos", "acosh", "asin", "asinh", "atan", "atanh", "cosh", "sinh", "clz",
+    "population_count", "nextafter", "conj", "complex", "lgamma", "digamma",
+    # new in JAX 0.12: tanh's derivative is `one_minus_square(tanh(x))`
+    "log2", "one_minus_square", "polynomial")
+_RELAYOUT = ("transpose", "reshape", "broadcast_in_dim", "squeeze",
+             "convert_element_type")
+_COSTLY = (
+    "atan2", "cos", "erf_inv", "erf", "erfc", "exp2", "exp", "expm1",
+    "log1p", "log", "logistic", "pow", "rsqrt", "sin", "sqrt", "tan", "tanh",
+    "div", "rem", "acos", "acosh", "asin", "asinh", "atan", "atanh", "cosh",
+    "sinh", "lgamma", "digamma", "log2")
+_REDUCTIONS = ("argmax", "argmin", "reduce_and", "reduce_max", "reduce_min",
+               "reduce_or", "reduce_prod", "reduce_sum", "reduce_xor")
+_ACCUMULATIONS = ("add_jaxvals",)  # `add_any`
+_TRANSPARENT_CALLS = ("custom_jvp_call", "custom_vjp_call", "remat",
+                      "closed_call", "call", "jit", "pjit")
+
+
+def _table() -> types.MappingProxyType:
+  rules: dict = {}
+
+  def add(names, **fields):
+    for primitive in _compat.primitives_named(*names):
+      rules[primitive] = dataclasses.replace(
+          rules.get(primitive, OPAQUE), **fields)
+
+  add(_ELEMENTWISE, fuses_into_readers=True, takes_fused_operands=True)
+  add(_RELAYOUT, fuses_into_readers=True, takes_fused_operands=True,
+      relayout_only=True)
+  add(_COSTLY, computed_once=True)
+  add(_REDUCTIONS, takes_fused_operands=True)
+  add(_ACCUMULATIONS, takes_fused_expansions=True)
+  add(_TRANSPARENT_CALLS, transparent_call=True)
+  return types.MappingProxyType(rules)
+
+
+RULES = _table()
+
+
+def rule(primitive) -> PrimitiveRule:
+  """The rule of `primitive`; `OPAQUE` for one the table does not name."""
+  return RULES.get(primitive, OPAQUE)
+
+
+def is_fusible_equation(eqn) -> bool:
+  """Whether XLA computes `eqn` inside the kernels that read its results:
+  an elementwise or re-layout primitive, or a call of only such."""
+  found = rule(eqn.primitive)
+  if found.fuses_into_readers:
+    return True
+  if not found.transparent_call:
+    return False
+  bodies = _compat.sub_jaxprs(eqn)
+  return bool(bodies) and all(is_fusible_equation(e)
+                              for body in bodies for e in body.eqns)
