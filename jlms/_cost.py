@@ -47,6 +47,16 @@ class GpuTarget:
   fp32_flops_per_s: float
   link_bytes_per_s: float  # host link, each direction, achieved
   link: str
+  #: Whether a host copy overlaps the compute between its issue and its
+  #: wait. XLA's GPU latency-hiding scheduler prices a copy to or from host
+  #: at HBM speed and starts it just before the copy is waited for, so on
+  #: the XLA of JAX 0.10-0.12 it does not: on an H100 the halfway budget of
+  #: a ResNet moved 5.0 GiB each way in 243 ms against jax.jit's 45.6, that
+  #: is 198 ms more, and 2 x 5.0 GiB at 52 GB/s is 206 ms
+  #: (../shared/reference/H100-MEASURED.md); XLA's schedules of jlms plans
+  #: show each copy-start a few kernels before its copy-done. True models a
+  #: scheduler that starts copies where jlms issues them.
+  hides_copies: bool = False
   #: fraction of the roofline each kind of kernel reaches.
   efficiency: types.MappingProxyType = dataclasses.field(
       default_factory=lambda: types.MappingProxyType(

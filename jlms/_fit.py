@@ -149,6 +149,8 @@ class _Problem:
     reads = tuple(r for r in self.liveness.uses[value] if r > near)
     exposed = (max(0.0, copy_s - (self.start[done] - self.start[executes + 1]))
                + max(0.0, copy_s - (self.start[far] - self.start[issue])))
+    if not self.target.hides_copies:
+      exposed = 2 * self.target.transfer_seconds(size)
     offload = Offload(value, near, (SwapIn(issue, reads),),
                       swap_out_done_before=done)
     return _Option(offload, size, done, issue, exposed)

@@ -3,7 +3,9 @@
 A schedule model in jaxpr order, the order the rewrite's barriers pin down:
 kernels run one after another on the compute stream, each for its
 `jlms._cost.kernel_seconds`; copies to host and back run on one copy engine
-per direction, first come first served, at the target's link bandwidth. A
+per direction, first come first served, at the target's link bandwidth.
+Where the target's `hides_copies` is False (XLA's scheduler as it is, see
+`jlms._cost.GpuTarget`), compute waits for each copy as it is made. A
 copy to host starts when the kernel that last reads the value near by has
 run; the equation that must find its buffer freed (`swap_out_done_before`,
 or the next one under `SyncMode.SWAP_OUT`) waits for it. A copy back starts
@@ -114,6 +116,9 @@ def predict_step_time(program: Program, liveness: Liveness,
       start = max(engine["h2d"], t, out_end.get(key[0], 0.0))
       engine["h2d"] = ready[key] = start + target.transfer_seconds(size)
       h2d += size
+      if not target.hides_copies:  # compute waits for the whole copy
+        exposed += ready[key] - t
+        t = ready[key]
     due = [out_end[k] for k in done_before.get(index, ())]
     due += [ready[k] for k in waits.get(index, ())]
     if due and max(due) > t:
@@ -124,14 +129,21 @@ def predict_step_time(program: Program, liveness: Liveness,
     t += recomputes.get(index, 0.0)
     own = float(kernel_s[index])
     copies = streamed.get(index, 0.0)
-    if copies > own:  # the loop waits for its slices
-      exposed += copies - own
-    t += max(own, copies)
+    if not target.hides_copies:  # each iteration waits for its slices
+      exposed += copies
+      t += own + copies
+    else:
+      if copies > own:  # the loop waits for its slices
+        exposed += copies - own
+      t += max(own, copies)
     for number in outs_after.get(index, ()):
       size = liveness.nbytes[offloads[number].value]
       start = max(engine["d2h"], t)
       engine["d2h"] = out_end[number] = start + target.transfer_seconds(size)
       d2h += size
+      if not target.hides_copies:  # compute waits for the whole copy
+        exposed += out_end[number] - t
+        t = out_end[number]
   tail = max(0.0, max(engine.values()) - t)
   t += recomputes.get(n, 0.0)
   return StepTime(float(np.sum(kernel_s)), recompute_total,
