@@ -19,7 +19,9 @@ per byte it frees, and simulates again.
   finished before the first equation at which compute has hidden it
   (`swap_out_done_before`); it comes back from where compute before the far
   read hides it. Each costs what the schedule model of `jlms._schedule`
-  says it exposes, link traffic of earlier choices included.
+  says it exposes, link traffic of earlier choices included: on targets
+  whose `hides_copies` is False (XLA's scheduler as it is) its whole link
+  time each way, so a copy is chosen only where recomputing costs more.
 
 Pure: it never compiles. `jlms.offload` confirms the result with XLA and
 calls it again with a tighter budget if XLA disagrees.

@@ -693,8 +693,9 @@ def offload(fun: Callable | None = None, *,
   together) is flattened and analysed. Under a budget (the default: the
   device's memory), each large value that lives across a gap between its
   reads is kept, recomputed before its far read, or copied to pinned host
-  memory and back where compute hides the copy, whichever a time model of
-  the target predicts costs least; a step that fits is `jax.jit`'s
+  memory and back, whichever a time model of the target predicts costs
+  least (XLA's scheduler leaves host copies exposed, so recomputation
+  mostly wins); a step that fits is `jax.jit`'s
   program. With any of TFLMS's knobs (`min_bytes`, `swapout_threshold`,
   `prefetch_ahead`, `swapin_groupby`, `sync_mode`) and no budget, TFLMS's
   rules apply exactly: each value of at least `min_bytes` not read for more

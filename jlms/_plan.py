@@ -162,8 +162,8 @@ class Plan:
         f"jlms: the largest equation is {self.largest_equation} (equation "
         f"{self.largest_equation_index}) with "
         f"{format_bytes(self.largest_equation_bytes)} of inputs and outputs",
-        ("jlms: chosen per value by the time model: keep, copy to host "
-         "while compute hides it, or recompute"
+        ("jlms: chosen per value by the time model: keep, recompute, or "
+         "copy to host and back"
          if self.fitted else
          f"jlms: settings: min_bytes {c.min_bytes}, swapout_threshold "
          f"{c.swapout_threshold}, prefetch_ahead {c.prefetch_ahead}, "

@@ -34,12 +34,18 @@ def resnet():
 
 
 @pytest.mark.slow
-def test_resnet_halfway_fits_in_about_jits_time(resnet):
+def test_resnet_halfway_fits_in_about_jits_time(resnet, monkeypatch):
   case, args, jit, remat, jit_ms, remat_ms = resnet
   budget = (jit + remat) // 2
+  compiles = []
+  xla_peak = jlms.OffloadedStep._xla_peak
+  monkeypatch.setattr(jlms.OffloadedStep, "_xla_peak", staticmethod(
+      lambda *a: compiles.append(a) or xla_peak(*a)))
   ms, plan = _predicted_ms(case.step, args, budget=budget)
   assert plan.xla_peak_bytes <= budget
+  assert 2 <= len(compiles) <= 3  # the step as it is, the plan, a re-fit
   assert plan.recomputed  # BatchNorm and relu outputs, remade
+  assert plan.offloaded_bytes == 0  # host copies would be exposed
   assert ms <= 1.10 * jit_ms and ms <= remat_ms
 
 

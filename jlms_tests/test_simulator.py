@@ -6,6 +6,7 @@ import pytest
 
 import jlms
 from benchmarks import models
+from jlms import _compat
 from jlms._liveness import analyse
 from jlms._planner import Offload, SwapIn
 from jlms._program import flatten
@@ -131,3 +132,38 @@ def test_predicted_peaks_are_within_20_percent_of_xla(case):
   baseline_error, offloaded_error = _relative_errors(case)
   assert abs(baseline_error) <= 0.20, baseline_error
   assert abs(offloaded_error) <= 0.20, offloaded_error
+
+
+def test_an_update_of_a_loops_gradient_takes_its_buffer():
+  # SGD on weights stacked for a lax.scan: the backward scan makes the
+  # stacked gradient at its end and `w - lr * g` writes over it, so the new
+  # weights are one buffer from there on, not a second one for the step.
+  from benchmarks import frontier_cases
+  from jlms._simulator import fixed_bytes, output_donors
+  case = frontier_cases.scan_mlp(layers=4, width=64, batch=32)
+  program = flatten(jax.make_jaxpr(case.step)(*case.abstract_args()))
+  liveness = analyse(program)
+  fusion = analyse_fusion(program, liveness)
+  donors = output_donors(program, liveness, fusion)
+  stacked_w = [v for v in program.outvars if isinstance(v, int)
+               and program.avals[v].shape == (4, 64, 64)]
+  assert stacked_w and set(stacked_w) <= set(donors)
+  for output, donor in donors.items():
+    assert liveness.nbytes[donor] == liveness.nbytes[output]
+    assert program.equations[liveness.producer[donor]].primitive is (
+        _compat.scan_p)
+  timeline = simulate(program, liveness, fusion=fusion)
+  assert timeline.fixed_bytes == fixed_bytes(program, liveness) - sum(
+      liveness.nbytes[v] for v in donors)
+
+
+def test_updates_outside_loops_keep_their_own_buffers():
+  case = models.mlp_case(depth=3, width=64, batch=32)
+  program = flatten(jax.make_jaxpr(case.step)(*case.abstract_args()))
+  liveness = analyse(program)
+  assert output_donors_of(program, liveness) == {}
+
+
+def output_donors_of(program, liveness):
+  from jlms._simulator import output_donors
+  return output_donors(program, liveness, analyse_fusion(program, liveness))
