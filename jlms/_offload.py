@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from jlms import _compat
+from jlms._arguments import SplitArguments, complete_argnums, split_arguments
 from jlms._config import OffloadConfig, SyncMode
 from jlms._liveness import analyse, largest_equation
 from jlms._loop_remat import (cheapest, loop_rematerializations,
@@ -92,14 +93,6 @@ class _Analysis:
   plain: Any = None  # the step as traced, analysed (`_Analysed`)
 
 
-def _as_tuple(x) -> tuple:
-  if x is None:
-    return ()
-  if isinstance(x, (int, str)):
-    return (x,)
-  return tuple(x)
-
-
 class OffloadedStep:
   """A jitted train step with host offload. See `jlms.offload`."""
 
@@ -112,15 +105,18 @@ class OffloadedStep:
     functools.update_wrapper(self, fun)
     self._fun = fun
     self.config = config
-    self._static_argnums = _as_tuple(static_argnums)
-    self._static_argnames = _as_tuple(static_argnames)
+    # Completed as jax.jit completes them: the wrapper that jax.jit traces
+    # takes (*args, **kwargs), so jax cannot see the step's signature.
+    self._static_argnums, self._static_argnames = complete_argnums(
+        fun, static_argnums, static_argnames)
+    donate_argnums, donate_argnames = complete_argnums(
+        fun, donate_argnums, donate_argnames)
     self._analyses: collections.OrderedDict = collections.OrderedDict()
     self._variants: dict = {}  # id(plain program) -> its placed variants
     self.jit_options = dict(
         static_argnums=self._static_argnums,
         static_argnames=self._static_argnames,
-        donate_argnums=_as_tuple(donate_argnums),
-        donate_argnames=_as_tuple(donate_argnames))
+        donate_argnums=donate_argnums, donate_argnames=donate_argnames)
     self._jitted = jax.jit(self._rewritten, **self.jit_options)
     self._verify = verify
     self._verified: set = set()
@@ -216,33 +212,18 @@ class OffloadedStep:
     return compare_memory(self, *args, target=target, **kwargs)
 
   # -- internals -----------------------------------------------------------
-  def _static_positions(self, nargs: int) -> set[int]:
-    return {i % nargs for i in self._static_argnums if -nargs <= i < nargs}
-
-  def _split_static(self, args, kwargs):
-    static_pos = self._static_positions(len(args))
-    dyn_args = tuple(None if i in static_pos else a for i, a in enumerate(args))
-    static_args = tuple((i, args[i]) for i in sorted(static_pos))
-    dyn_kwargs = {k: v for k, v in kwargs.items()
-                  if k not in self._static_argnames}
-    static_kwargs = tuple(sorted((k, v) for k, v in kwargs.items()
-                                 if k in self._static_argnames))
-    leaves, treedef = jax.tree.flatten((dyn_args, dyn_kwargs))
-    return leaves, treedef, static_args, static_kwargs
-
-  @staticmethod
-  def _key(leaves, treedef, static_args, static_kwargs) -> tuple:
-    return (treedef, static_args, static_kwargs,
-            tuple(_compat.abstractify(x) for x in leaves))
+  def _split(self, args, kwargs) -> SplitArguments:
+    return split_arguments(args, kwargs, self._static_argnums,
+                           self._static_argnames)
 
   def _signature(self, args, kwargs) -> tuple:
-    return self._key(*self._split_static(args, kwargs))
+    return self._split(args, kwargs).key()
 
   def _analysis(self, args, kwargs) -> tuple[_Analysis, list]:
     """The cached analysis for these arguments, with their dynamic leaves."""
-    split = self._split_static(args, kwargs)
-    leaves, treedef, static_args, static_kwargs = split
-    key = self._key(*split)
+    split = self._split(args, kwargs)
+    leaves = split.leaves
+    key = split.key()
     cached = self._analyses.get(key)
     if cached is not None:
       self._analyses.move_to_end(key)
@@ -250,11 +231,7 @@ class OffloadedStep:
     out_trees = []
 
     def flat_fun(*flat):
-      dyn_args, dyn_kwargs = jax.tree.unflatten(treedef, flat)
-      full_args = list(dyn_args)
-      for i, value in static_args:
-        full_args[i] = value
-      out = self._fun(*full_args, **dyn_kwargs, **dict(static_kwargs))
+      out = split.call(self._fun, flat)
       out_leaves, out_tree = jax.tree.flatten(out)
       out_trees.append(out_tree)
       return out_leaves

@@ -132,6 +132,33 @@ def test_static_and_donated_arguments():
   assert max_relative_error(by_name(params, x, lr=0.5), expected) <= F32_TOLERANCE
 
 
+def _sgd_step_branching_on_lr(params, x, lr=0.1):
+  if lr > 0.25:  # Python control flow on lr: it must be static
+    return _sgd_step(params, x, lr / 2)
+  return _sgd_step(params, x, lr)
+
+
+@pytest.mark.parametrize("static, call", [
+    (dict(static_argnames="lr"), lambda step, p, x: step(p, x, 0.5)),
+    (dict(static_argnums=2), lambda step, p, x: step(p, x, lr=0.5)),
+], ids=["name-passed-by-position", "number-passed-by-name"])
+def test_static_arguments_named_either_way(static, call):
+  # jax.jit completes static_argnums and static_argnames from each other
+  # through the step's signature; so does jlms.
+  params, x = _mlp_args()
+  expected = jax.jit(_sgd_step_branching_on_lr, **static)(params, x, 0.5)
+  step = jlms.offload(_sgd_step_branching_on_lr, **static, **EAGER)
+  assert max_relative_error(call(step, params, x), expected) <= F32_TOLERANCE
+  assert call(step.plan, params, x).offloaded  # planned on a concrete lr
+
+
+def test_donated_argument_named_and_passed_by_position():
+  params, x = _mlp_args()
+  step = jlms.offload(_sgd_step, donate_argnames="params", **EAGER)
+  step(params, x)
+  assert all(p.is_deleted() for p in params)
+
+
 def test_one_analysis_per_signature():
   traces = []
 
