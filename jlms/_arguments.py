@@ -4,7 +4,7 @@ and the abstract signature a plan is cached under.
 Guarantees: `static_argnums` and `static_argnames` (and the donated pair)
 name the same parameters whichever way a caller passes them, each completed
 from the other through the step's signature as `jax.jit` does; a leaf that
-is neither an array nor static is refused.
+is neither an array nor static is refused with its path and what to do.
 """
 
 from __future__ import annotations
@@ -88,5 +88,28 @@ def split_arguments(args, kwargs, static_argnums, static_argnames
 
 
 def _abstract_leaves(leaves, treedef):
-  del treedef
-  return [_compat.abstractify(x) for x in leaves]
+  try:
+    return [_compat.abstractify(x) for x in leaves]
+  except TypeError as error:
+    # The slow path, only to say which leaf, by its path in (args, kwargs).
+    for (which, *path), leaf in jax.tree_util.tree_leaves_with_path(
+        jax.tree.unflatten(treedef, leaves)):
+      if not _is_abstractable(leaf):
+        where = "args" if which.idx == 0 else "kwargs"
+        raise TypeError(
+            f"jlms.offload: the step's argument "
+            f"{where}{jax.tree_util.keystr(tuple(path))} is a "
+            f"{type(leaf).__name__} ({leaf!r:.60}), not an array: jax.jit "
+            "traces every argument that is not static. Mark it static with "
+            "static_argnums/static_argnames (its value then keys the plan, "
+            "and each new value plans the step again), or pass it as an "
+            "array.") from error
+    raise
+
+
+def _is_abstractable(leaf) -> bool:
+  try:
+    _compat.abstractify(leaf)
+  except TypeError:
+    return False
+  return True

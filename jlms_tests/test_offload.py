@@ -241,3 +241,15 @@ def test_not_jittable_is_a_clear_error():
 def test_not_callable_is_refused():
   with pytest.raises(TypeError, match="callable"):
     jlms.offload(3)
+
+
+def test_a_leaf_that_is_not_an_array_is_named_by_its_path():
+  def step(x, hyper):
+    return x * float(hyper["lr"])
+
+  offloaded = jlms.offload(step, **EAGER)
+  for entry in (offloaded, offloaded.plan):
+    with pytest.raises(TypeError, match=r"(?s)args\[1\]\['lr'\].*static"):
+      entry(jnp.ones(3), {"lr": "0.1"})
+  with pytest.raises(TypeError, match=r"(?s)kwargs\['hyper'\]\['lr'\].*static"):
+    offloaded.plan(jnp.ones(3), hyper={"lr": "0.1"})
