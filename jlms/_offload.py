@@ -138,6 +138,8 @@ class OffloadedStep:
 
   # -- the jax.jit surface -------------------------------------------------
   def __call__(self, *args, **kwargs):
+    if jax.config.jax_disable_jit:
+      return self._fun(*args, **kwargs)  # op by op, as jax.jit's step runs
     if self._should_verify(args, kwargs):
       self.memory(*args, target="local", **kwargs)
     return self._jitted(*args, **kwargs)

@@ -176,6 +176,15 @@ def test_one_analysis_per_signature():
   assert len(traces) == 2
 
 
+def test_under_disable_jit_the_step_runs_op_by_op_as_jax_jit_does():
+  params, x = _mlp_args()
+  step = jlms.offload(_sgd_step, **EAGER)
+  with jax.disable_jit():
+    actual = step(params, x)
+    expected = jax.jit(_sgd_step)(params, x)
+  assert max_relative_error(actual, expected) <= F32_TOLERANCE
+
+
 def test_plan_reports_values_like_tfmls():
   params, x = _mlp_args()
   plan = jlms.offload(_sgd_step, **EAGER).plan(params, x)
