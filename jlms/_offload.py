@@ -47,6 +47,7 @@ from jlms._fit import fit
 from jlms._tradeoff import Tradeoff, TradeoffPoint
 from jlms._placement import place_fused_at_readers
 from jlms._schedule import predict_step_time
+from jlms._verify import compare_memory_of_call
 from jlms._xla_memory import target_memory_bytes, xla_memory
 
 _CACHE_SIZE = 32
@@ -141,7 +142,8 @@ class OffloadedStep:
     if jax.config.jax_disable_jit:
       return self._fun(*args, **kwargs)  # op by op, as jax.jit's step runs
     if self._should_verify(args, kwargs):
-      self.memory(*args, target="local", **kwargs)
+      # Not through `self.memory`: the step may take a `target` of its own.
+      compare_memory_of_call(self, args, kwargs, "local")
     return self._jitted(*args, **kwargs)
 
   def _should_verify(self, args, kwargs) -> bool:
@@ -210,8 +212,7 @@ class OffloadedStep:
     """XLA's memory for `target` ("h100", "h200", "a100" deviceless, or
     "local") with and without jlms, as a `jlms.MemoryComparison`; warns with
     `jlms.OffloadIneffectiveWarning` when the offload does nothing."""
-    from jlms._verify import compare_memory
-    return compare_memory(self, *args, target=target, **kwargs)
+    return compare_memory_of_call(self, args, kwargs, target)
 
   # -- internals -----------------------------------------------------------
   def _split(self, args, kwargs) -> SplitArguments:

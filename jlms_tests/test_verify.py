@@ -3,11 +3,13 @@
 import dataclasses
 import warnings
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 import jlms
 from jlms._verify import MemoryComparison
+from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
 
 
 def _chain(x):
@@ -71,3 +73,15 @@ def test_no_check_by_default_off_gpu():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     step(X)
+
+
+def test_a_step_with_a_target_argument_of_its_own_is_checked():
+  def step(x, target):
+    return _chain(x) - target
+
+  offloaded = jlms.offload(step, verify=True, **EAGER)
+  with pytest.warns(jlms.OffloadIneffectiveWarning) as caught:
+    actual = offloaded(X, target=X)
+  assert any("nothing in host" in str(w.message) for w in caught)  # checked
+  expected = jax.jit(step)(X, target=X)
+  assert max_relative_error(actual, expected) <= F32_TOLERANCE
