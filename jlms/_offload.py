@@ -141,27 +141,28 @@ class OffloadedStep:
   def __call__(self, *args, **kwargs):
     if jax.config.jax_disable_jit:
       return self._fun(*args, **kwargs)  # op by op, as jax.jit's step runs
-    if self._should_verify(args, kwargs):
+    unverified = self._unverified_signature(args, kwargs)
+    if unverified is not None:
       # Not through `self.memory`: the step may take a `target` of its own.
       compare_memory_of_call(self, args, kwargs, "local")
+      # Marked once it has run: a check that raised runs again next call.
+      self._verified.add(unverified)
     return self._jitted(*args, **kwargs)
 
-  def _should_verify(self, args, kwargs) -> bool:
-    """On a GPU, the first concrete call of each signature checks with XLA
-    that the offload is effective (it costs one extra compile of each)."""
+  def _unverified_signature(self, args, kwargs):
+    """The signature of this call if it is to be checked with XLA: on a GPU,
+    the first concrete call of each signature checks that the offload is
+    effective (it costs one extra compile of each). None otherwise."""
     verify = self._verify
     if verify is None:
       verify = jax.default_backend() == "gpu"
     if not verify:
-      return False
+      return None
     leaves = jax.tree.leaves((args, kwargs))
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
-      return False
+      return None
     key = self._signature(args, kwargs)
-    if key in self._verified:
-      return False
-    self._verified.add(key)
-    return True
+    return None if key in self._verified else key
 
   def tradeoff(self, *args, budgets=None, points: int = 6,
                **kwargs) -> Tradeoff:

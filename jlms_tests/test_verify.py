@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import jlms
+from jlms import _verify
 from jlms._verify import MemoryComparison
 from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
 
@@ -85,3 +86,22 @@ def test_a_step_with_a_target_argument_of_its_own_is_checked():
   assert any("nothing in host" in str(w.message) for w in caught)  # checked
   expected = jax.jit(step)(X, target=X)
   assert max_relative_error(actual, expected) <= F32_TOLERANCE
+
+
+def test_a_check_that_raised_is_run_again_on_the_next_call(monkeypatch):
+  checks = []
+
+  def comparison_failing_once(*args, **kwargs):
+    checks.append(args)
+    if len(checks) == 1:
+      raise RuntimeError("the check's compile failed")
+    return MemoryComparison(*args, **kwargs)
+
+  monkeypatch.setattr(_verify, "MemoryComparison", comparison_failing_once)
+  step = jlms.offload(_chain, verify=True, **EAGER)
+  with pytest.raises(RuntimeError, match="check's compile failed"):
+    step(X)
+  with pytest.warns(jlms.OffloadIneffectiveWarning):
+    step(X)  # checked again, and it ran this time
+  step(X)
+  assert len(checks) == 2
