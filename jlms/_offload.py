@@ -92,6 +92,17 @@ class _Analysis:
   rewritten: Any  # the closed jaxpr that runs
   jit_params: dict  # params of the nested-jit equation that stages it
   plain: Any = None  # the step as traced, analysed (`_Analysed`)
+  # Makes `rewritten` again with the copies left out; None where jlms did
+  # not rewrite the step.
+  rewrite_without_copies: Callable[[], Any] | None = None
+
+  def without_copies(self):
+    """The closed jaxpr that runs, with the same barriers and
+    recomputations but no copies to host: what the benchmarks time to
+    price the barriers alone."""
+    if self.rewrite_without_copies is None:
+      return self.rewritten
+    return self.rewrite_without_copies()
 
 
 class OffloadedStep:
@@ -282,8 +293,8 @@ class OffloadedStep:
                              unforced.materialized)
     forced = analyse_fusion(program, liveness,
                             frozenset(o.value for o in offloads))
-    rewritten = self._rewrite(program, liveness, offloads, self.config,
-                              debug_info, forced)
+    rewritten, without_copies = self._rewrite(
+        program, liveness, offloads, self.config, debug_info, forced)
     timeline = simulate(program, liveness, offloads, forced)
     plan = build_plan(
         program, liveness, offloads, self.config, baseline, timeline,
@@ -292,7 +303,7 @@ class OffloadedStep:
         **self._step_times(plain, (program, liveness, forced), offloads,
                            self.config.sync_mode, residuals))
     return _Analysis(program, offloads, plan, out_trees[-1], rewritten,
-                     jit_params)
+                     jit_params, rewrite_without_copies=without_copies)
 
   def _step_times(self, plain, planned=None, offloads=(),
                   sync_mode=SyncMode.NONE, residuals=()) -> dict:
@@ -324,11 +335,14 @@ class OffloadedStep:
 
   @staticmethod
   def _rewrite(program, liveness, offloads, config, debug_info, fusion=None):
+    """The rewritten closed jaxpr, and a function that makes it again with
+    the copies left out."""
     if fusion is None:
       fusion = analyse_fusion(program, liveness,
                               frozenset(o.value for o in offloads))
-    return rewrite(program, offloads, config, debug_info, fusion=fusion,
-                   serialized=_serialized(program, liveness, config, fusion))
+    return _rewrite_twice(
+        program, offloads, config, debug_info, fusion=fusion,
+        serialized=_serialized(program, liveness, config, fusion))
 
   def _confirm_target(self) -> str | None:
     """Where XLA confirms a budget: the named target, else the local GPU,
@@ -387,8 +401,8 @@ class OffloadedStep:
                          budget, None)
     if budget is not None and target is not None:
       # The simulator can be off either way: ask XLA before offloading.
-      as_is = self._rewrite(plain_program, plain_liveness, (), self.config,
-                            debug_info, plain.fusion)
+      as_is, _ = self._rewrite(plain_program, plain_liveness, (),
+                               self.config, debug_info, plain.fusion)
       plain_peak = self._xla_peak(jit_params, as_is, abstract, target)
       log.info("jlms: XLA's peak on %s without offloading: %s", target,
                format_bytes(plain_peak))
@@ -431,13 +445,15 @@ class OffloadedStep:
                          budget, None)
 
     def rewritten_of(placed, result):
-      return rewrite(
+      """The rewritten program, and a function that makes it again with
+      the copies left out."""
+      return _rewrite_twice(
           placed.program, result.offloads, config, debug_info,
           fusion=placed.fusion, pin_contractions=True,
           serialized=_serialized(placed.program, placed.liveness, config,
                                  placed.fusion))
 
-    rewritten = rewritten_of(placed, result)
+    rewritten, without_copies = rewritten_of(placed, result)
     measured = None
     if target is not None:
       measured = self._xla_peak(jit_params, rewritten, abstract, target)
@@ -465,7 +481,7 @@ class OffloadedStep:
       except BudgetError:
         simulator_refused = True  # no smaller plan of this kind: say so
         continue
-      rewritten = rewritten_of(placed, result)
+      rewritten, without_copies = rewritten_of(placed, result)
       measured = self._xla_peak(jit_params, rewritten, abstract, target)
       smallest = min(smallest, measured)
       compiles += 1
@@ -483,13 +499,15 @@ class OffloadedStep:
         faster = None
       if (faster is not None and faster[2].step_time.total_s
           < 0.98 * result.step_time.total_s):
-        candidate = rewritten_of(faster[0], faster[2])
+        candidate, candidate_without_copies = rewritten_of(faster[0],
+                                                           faster[2])
         peak = self._xla_peak(jit_params, candidate, abstract, target)
         log.info("jlms: XLA's peak on %s of a faster plan: %s", target,
                  format_bytes(peak))
         if peak <= budget:
           placed, residuals, result = faster
           rewritten, measured = candidate, peak
+          without_copies = candidate_without_copies
     placed_liveness = placed.liveness
     plan = build_plan(
         placed.program, placed_liveness, result.offloads, config, baseline,
@@ -501,7 +519,8 @@ class OffloadedStep:
             result.step_time),
         time_target=times.name)
     return _Analysis(placed.program, result.offloads, plan, out_trees[-1],
-                     rewritten, jit_params)
+                     rewritten, jit_params,
+                     rewrite_without_copies=without_copies)
 
   def _fastest_fit(self, plain, budget, times):
     """(placed program, streamed residuals, `jlms._fit.Fit`) of the fastest
@@ -617,9 +636,11 @@ class OffloadedStep:
              xla) -> _Analysis:
     """jax.jit's program, unchanged, with its plan."""
     rewritten = plain.traced  # the step's own jaxpr, as traced
+    without_copies = None
     if self.config.serialize or self.config.serialize_by_size is not None:
-      rewritten = self._rewrite(plain.program, plain.liveness, (),
-                                self.config, debug_info, plain.fusion)
+      rewritten, without_copies = self._rewrite(
+          plain.program, plain.liveness, (), self.config, debug_info,
+          plain.fusion)
     plan = build_plan(
         plain.program, plain.liveness, (), self.config, baseline, baseline,
         budget_bytes=budget, fitted=True,
@@ -627,12 +648,20 @@ class OffloadedStep:
         xla_target=None if xla is None else xla[1],
         **self._step_times(plain))
     return _Analysis(plain.program, (), plan, out_trees[-1], rewritten,
-                     jit_params)
+                     jit_params, rewrite_without_copies=without_copies)
 
   def _rewritten(self, *args, **kwargs):
     analysis, leaves = self._analysis(args, kwargs)
     outs = _compat.bind_jit(analysis.jit_params, analysis.rewritten, leaves)
     return jax.tree.unflatten(analysis.out_tree, outs)
+
+
+def _rewrite_twice(*args, **kwargs):
+  """`rewrite(*args, **kwargs)`, and a function that makes it again with
+  the copies left out (the same barriers, so that a benchmark times the
+  schedule that runs)."""
+  return (rewrite(*args, **kwargs),
+          functools.partial(rewrite, *args, **kwargs, transfers=False))
 
 
 def _predicted_baseline(plain):
