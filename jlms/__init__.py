@@ -8,6 +8,8 @@ measures what XLA's GPU compiler makes of it, with or without a GPU.
 from jlms._compat import UnsupportedJaxError as UnsupportedJaxError
 from jlms._config import OffloadConfig as OffloadConfig
 from jlms._config import SyncMode as SyncMode
+from jlms._fallback import FallbackWarning as FallbackWarning
+from jlms._fallback import OffloadError as OffloadError
 from jlms._offload import OffloadedStep as OffloadedStep
 from jlms._offload import offload as offload
 from jlms._nnx import OffloadedNnxStep as OffloadedNnxStep

@@ -10,7 +10,9 @@ Guarantees: for every abstract signature the rewrite is computed once and
 cached; outputs equal `jax.jit(step)`'s (host copies are exact); calling the
 step under an outer trace (`jax.jit(step)`, `.lower` with
 `ShapeDtypeStruct`s of other devices) emits the rewritten program into that
-trace.
+trace; where jlms fails to plan, rewrite or compile a signature's program,
+that signature runs as `jax.jit`'s program (`jlms._fallback` says when it
+raises instead).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import numpy as np
 from jlms import _compat
 from jlms._arguments import SplitArguments, complete_argnums, split_arguments
 from jlms._config import OffloadConfig, SyncMode
+from jlms._fallback import (OffloadError, describe,
+                            raise_unless_fallback_allowed, warn_fallback)
 from jlms._liveness import analyse, largest_equation
 from jlms._loop_remat import (cheapest, loop_rematerializations,
                               rematerialize_in_loops)
@@ -83,6 +87,14 @@ class _Analysed:
     return cls(program, liveness, analyse_fusion(program, liveness))
 
 
+class _PlanNeeded(Exception):
+  """Planning failed where the step does not fit its budget as it is (the
+  failure is the `__cause__`)."""
+
+  def __init__(self, budget: int):
+    super().__init__(format_bytes(budget))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Analysis:
   program: Program
@@ -95,6 +107,16 @@ class _Analysis:
   # Makes `rewritten` again with the copies left out; None where jlms did
   # not rewrite the step.
   rewrite_without_copies: Callable[[], Any] | None = None
+  # The step does not fit its budget as jax.jit's program.
+  needs_plan: bool = False
+  # Why jlms has no program for these arguments (the step then runs as
+  # jax.jit's); None when it has one.
+  failure: BaseException | None = None
+
+  @property
+  def rewrites_the_step(self) -> bool:
+    """Whether the program that runs is jlms's, not the step as traced."""
+    return self.failure is None and self.rewrite_without_copies is not None
 
   def without_copies(self):
     """The closed jaxpr that runs, with the same barriers and
@@ -111,7 +133,7 @@ class OffloadedStep:
   def __init__(self, fun: Callable, config: OffloadConfig, *,
                static_argnums=(), static_argnames=(), donate_argnums=(),
                donate_argnames=(), verify=None, budget=DEVICE, target=None,
-               min_bytes_given=None, host_budget=None):
+               min_bytes_given=None, host_budget=None, strict=False):
     if not callable(fun):
       raise TypeError(f"jlms.offload expects a callable, got {type(fun)}")
     functools.update_wrapper(self, fun)
@@ -130,6 +152,11 @@ class OffloadedStep:
         static_argnames=self._static_argnames,
         donate_argnums=donate_argnums, donate_argnames=donate_argnames)
     self._jitted = jax.jit(self._rewritten, **self.jit_options)
+    # jax.jit's own program, for signatures whose program jlms failed to
+    # compile (jax.jit keeps the trace of `_rewritten` that failed).
+    self._plain_jitted = jax.jit(fun, **self.jit_options)
+    self._fallen_back: dict = {}  # signature -> jlms's failure
+    self.strict = strict
     self._verify = verify
     self._verified: set = set()
     self.budget = budget
@@ -145,20 +172,82 @@ class OffloadedStep:
       parse_budget(budget, lambda: 1)  # reject malformed budgets now
 
   def __repr__(self) -> str:
-    name = getattr(self._fun, "__qualname__", repr(self._fun))
-    return f"jlms.offload({name}, {self.config})"
+    return f"jlms.offload({self._name}, {self.config})"
 
   # -- the jax.jit surface -------------------------------------------------
   def __call__(self, *args, **kwargs):
     if jax.config.jax_disable_jit:
       return self._fun(*args, **kwargs)  # op by op, as jax.jit's step runs
+    program = self._program_for(args, kwargs)
+    if program is self._plain_jitted:
+      return program(*args, **kwargs)
+    try:
+      self._check_once(args, kwargs)
+      return program(*args, **kwargs)
+    except Exception as error:  # handled outside, so as not to chain
+      failure = error
+    return self._after_failure(failure, args, kwargs)
+
+  def _program_for(self, args, kwargs):
+    """The jitted program for these arguments: jlms's, or jax.jit's where
+    jlms's failed to compile."""
+    if self._fallen_back and self._signature(args, kwargs) in self._fallen_back:
+      return self._plain_jitted
+    return self._jitted
+
+  def _after_failure(self, error: Exception, args, kwargs):
+    """The step's outputs by jax.jit's program when `error` is a failure of
+    jlms's program (compiling or checking it); raises `error` unchanged
+    when it is the step's own."""
+    key = self._failed_in_jlms(error, args, kwargs)
+    if key is None:
+      raise error
+    analysis = self._analyses[key]
+    raise_unless_fallback_allowed(
+        error, self._name, strict=self.strict,
+        budget=format_bytes(analysis.plan.budget_bytes)
+        if analysis.needs_plan else None)
+    # jax.jit's own error, if it fails too, is the step's: it propagates.
+    outputs = self._plain_jitted(*args, **kwargs)
+    self._fallen_back[key] = error
+    warn_fallback(error, self._name, stacklevel=3)
+    return outputs
+
+  def _failed_in_jlms(self, error: Exception, args, kwargs):
+    """The signature whose jlms program raised `error`; None when the error
+    is not jlms's: the step's own (tracing it failed, or its program is
+    jax.jit's), a decision already made (`OffloadError`, `BudgetError`),
+    inside an outer trace, or after donated arguments were consumed."""
+    if isinstance(error, (OffloadError, BudgetError)):
+      return None
+    leaves = jax.tree.leaves((args, kwargs))
+    if any(isinstance(x, jax.core.Tracer) or (
+        isinstance(x, jax.Array) and x.is_deleted()) for x in leaves):
+      return None
+    try:
+      key = self._signature(args, kwargs)
+    except TypeError:  # an argument jax.jit refuses too
+      return None
+    analysis = self._analyses.get(key)
+    if analysis is None or not analysis.rewrites_the_step:
+      return None
+    return key
+
+  @property
+  def _name(self) -> str:
+    return getattr(self._fun, "__qualname__", repr(self._fun))
+
+  def _check_once(self, args, kwargs) -> None:
+    """Checks with XLA, once per signature when asked, that jlms's program
+    keeps what it offloads on host and lowers the peak."""
     unverified = self._unverified_signature(args, kwargs)
-    if unverified is not None:
+    if unverified is None:
+      return
+    if self._analysis(args, kwargs)[0].failure is None:  # else: jax.jit's
       # Not through `self.memory`: the step may take a `target` of its own.
       compare_memory_of_call(self, args, kwargs, "local")
-      # Marked once it has run: a check that raised runs again next call.
-      self._verified.add(unverified)
-    return self._jitted(*args, **kwargs)
+    # Marked once it has run: a check that raised runs again next call.
+    self._verified.add(unverified)
 
   def _unverified_signature(self, args, kwargs):
     """The signature of this call if it is to be checked with XLA: on a GPU,
@@ -181,8 +270,7 @@ class OffloadedStep:
     fastest fit (simulator and time model, no compile) of each budget in
     `budgets` (bytes or sizes), by default `points` budgets from the least
     memory jlms reaches up to `jax.jit`'s predicted peak."""
-    analysis, _ = self._analysis(args, kwargs)
-    plain = analysis.plain
+    plain = self._runnable_analysis(args, kwargs).plain
     times = time_target(self.target)
     baseline = _predicted_baseline(plain)
     least = self._fastest_fit(plain, None, times)[2]
@@ -206,19 +294,36 @@ class OffloadedStep:
                     least.timeline.peak_bytes, times.name)
 
   def lower(self, *args, **kwargs) -> jax.stages.Lowered:
-    """The `jax.stages.Lowered` of the rewritten program."""
-    return self._jitted.lower(*args, **kwargs)
+    """The `jax.stages.Lowered` of the program that runs: the rewritten
+    one, or jax.jit's where jlms failed."""
+    return self._program_for(args, kwargs).lower(*args, **kwargs)
 
   def trace(self, *args, **kwargs) -> jax.stages.Traced:
-    return self._jitted.trace(*args, **kwargs)
+    return self._program_for(args, kwargs).trace(*args, **kwargs)
 
   def eval_shape(self, *args, **kwargs):
     return self._jitted.eval_shape(*args, **kwargs)
 
   # -- what it does ----------------------------------------------------------
   def plan(self, *args, **kwargs) -> Plan:
-    """The offload plan for these arguments (arrays or ShapeDtypeStructs)."""
-    return self._analysis(args, kwargs)[0].plan
+    """The offload plan for these arguments (arrays or ShapeDtypeStructs).
+    Raises `jlms.OffloadError` where jlms failed for them (the step runs
+    as jax.jit's program)."""
+    return self._runnable_analysis(args, kwargs).plan
+
+  def _runnable_analysis(self, args, kwargs) -> _Analysis:
+    """The analysis of these arguments; `OffloadError` where jlms failed
+    to plan or compile them."""
+    analysis = self._analysis(args, kwargs)[0]
+    failure = analysis.failure
+    if failure is None and self._fallen_back:
+      failure = self._fallen_back.get(self._signature(args, kwargs))
+    if failure is not None:
+      raise OffloadError(
+          f"jlms.offload({self._name}) has no plan that runs for these "
+          f"arguments: jlms failed with {describe(failure)}; the step runs "
+          "as jax.jit's program") from failure
+    return analysis
 
   def memory(self, *args, target: str = "h100", **kwargs):
     """XLA's memory for `target` ("h100", "h200", "a100" deviceless, or
@@ -260,6 +365,20 @@ class OffloadedStep:
                  "jittable (mark Python-valued arguments static with "
                  "static_argnums/static_argnames).")
       raise
+    try:
+      analysis = self._planned(closed, leaves, out_trees)
+    except BudgetError:
+      raise
+    except Exception as error:  # jlms's failure, not the step's
+      analysis = self._planning_failed(error)
+    self._analyses[key] = analysis
+    if len(self._analyses) > _CACHE_SIZE:
+      self._analyses.popitem(last=False)
+    return analysis, leaves
+
+  def _planned(self, closed, leaves, out_trees) -> _Analysis:
+    """The analysis of the step traced as `closed`: its plan and the
+    program that runs."""
     jit_params, debug_info = _compat.call_template(closed)
     plain = dataclasses.replace(
         _Analysed.of(flatten(closed)),
@@ -271,11 +390,23 @@ class OffloadedStep:
     else:
       analysis = self._fit_budget(plain, baseline, jit_params, debug_info,
                                   leaves, out_trees)
-    analysis = dataclasses.replace(analysis, plain=plain)
-    self._analyses[key] = analysis
-    if len(self._analyses) > _CACHE_SIZE:
-      self._analyses.popitem(last=False)
-    return analysis, leaves
+    return dataclasses.replace(analysis, plain=plain)
+
+  def _planning_failed(self, error: Exception,
+                       needs_plan: bool = False) -> _Analysis:
+    """The analysis of a step that jlms failed to plan, rewrite or stage:
+    it runs as jax.jit's program, with one warning; raises instead where
+    that is not allowed."""
+    budget = None
+    if isinstance(error, _PlanNeeded):
+      budget, error = str(error), error.__cause__
+    elif needs_plan or self.budget not in (KNOBS, DEVICE, MINIMUM):
+      # A budget the user gave: jax.jit's program is not known to meet it.
+      budget = repr(self.budget)
+    raise_unless_fallback_allowed(error, self._name, strict=self.strict,
+                                  budget=budget)
+    warn_fallback(error, self._name, stacklevel=4)
+    return _Analysis(None, (), None, None, None, None, failure=error)
 
   def _apply_knobs(self, plain, baseline, jit_params, debug_info,
                    out_trees) -> _Analysis:
@@ -411,6 +542,24 @@ class OffloadedStep:
                  format_bytes(budget))
         return self._as_is(plain, baseline, jit_params, debug_info,
                            out_trees, budget, (plain_peak, target))
+    try:
+      analysis = self._search_budget(plain, baseline, jit_params, debug_info,
+                                     leaves, out_trees, target, budget,
+                                     avals, abstract, plain_peak)
+    except BudgetError:
+      raise
+    except Exception as error:
+      if budget is None:
+        raise
+      raise _PlanNeeded(budget) from error
+    # The step does not fit the budget as it is: jax.jit's program won't do.
+    return dataclasses.replace(analysis, needs_plan=budget is not None)
+
+  def _search_budget(self, plain, baseline, jit_params, debug_info, leaves,
+                     out_trees, target, budget, avals, abstract,
+                     plain_peak) -> _Analysis:
+    """`_fit_budget`'s search, once the step is known not to fit as it is
+    (or the budget is the least memory): the fit, confirmed by XLA."""
     searched = budget
     unseen = unseen_split(avals, leaves)
     if unseen > 1 and budget is not None:
@@ -652,8 +801,15 @@ class OffloadedStep:
 
   def _rewritten(self, *args, **kwargs):
     analysis, leaves = self._analysis(args, kwargs)
-    outs = _compat.bind_jit(analysis.jit_params, analysis.rewritten, leaves)
-    return jax.tree.unflatten(analysis.out_tree, outs)
+    if analysis.failure is None:
+      try:
+        outs = _compat.bind_jit(analysis.jit_params, analysis.rewritten,
+                                leaves)
+        return jax.tree.unflatten(analysis.out_tree, outs)
+      except Exception as error:  # staging jlms's program: jlms's failure
+        self._analyses[self._signature(args, kwargs)] = (
+            self._planning_failed(error, analysis.needs_plan))
+    return self._fun(*args, **kwargs)  # jax.jit's program, in this trace
 
 
 def _rewrite_twice(*args, **kwargs):
@@ -694,7 +850,8 @@ def offload(fun: Callable | None = None, *,
             verify: bool | None = None,
             budget: int | str | None = None,
             target: str | None = None,
-            host_budget: int | str | None = None):
+            host_budget: int | str | None = None,
+            strict: bool = False):
   """Wraps a train step so that it fits a device memory budget in the least
   time it can.
 
@@ -759,6 +916,16 @@ def offload(fun: Callable | None = None, *,
       (bytes or a size). None (default): XLA's pinned pool,
       `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` GiB or 64, and on a local GPU no
       more than the machine's available memory.
+    strict: what happens when jlms itself fails for some arguments
+      (planning, rewriting, or XLA compiling or checking the rewritten
+      program; a step that jax.jit cannot trace or run fails as it does
+      under jax.jit, whatever `strict` says). False (default): the step
+      runs as `jax.jit`'s program for those arguments, with one
+      `jlms.FallbackWarning` that names the failure, except under a budget
+      that `jax.jit`'s program is not known to meet (a `budget` given in
+      bytes, as a size or a percentage, or the device's memory when the
+      step does not fit it), where `jlms.OffloadError` is raised. True:
+      `jlms.OffloadError` is raised, from the failure.
 
   Returns:
     An `OffloadedStep`: call it like the step; `.lower(...)`, `.trace(...)`
@@ -780,7 +947,7 @@ def offload(fun: Callable | None = None, *,
                      donate_argnums=donate_argnums,
                      donate_argnames=donate_argnames, verify=verify,
                      budget=budget, target=target, min_bytes_given=min_bytes,
-                     host_budget=host_budget)
+                     host_budget=host_budget, strict=strict)
   if fun is None:
     return lambda f: OffloadedStep(f, config, **jit_options)
   return OffloadedStep(fun, config, **jit_options)
