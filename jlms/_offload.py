@@ -52,7 +52,7 @@ from jlms._tradeoff import Tradeoff, TradeoffPoint
 from jlms._placement import place_fused_at_readers
 from jlms._schedule import predict_step_time
 from jlms._verify import compare_memory_of_call
-from jlms._xla_memory import target_memory_bytes, xla_memory
+from jlms._xla_memory import KNOWN_TARGETS, target_memory_bytes, xla_memory
 
 _CACHE_SIZE = 32
 
@@ -166,8 +166,10 @@ class OffloadedStep:
     self.host_budget = host_budget
     if host_budget is not None:
       parse_budget(host_budget)  # reject malformed budgets now
-    if target is not None:
-      time_target(target)  # reject unknown targets now
+    if target is not None and target not in KNOWN_TARGETS:
+      # Where XLA confirms a budget; each has a time model.
+      raise ValueError(f"jlms.offload: unknown target {target!r}; valid "
+                       f"targets: {', '.join(KNOWN_TARGETS)}")
     if budget not in (KNOBS, DEVICE, MINIMUM):
       parse_budget(budget, lambda: 1)  # reject malformed budgets now
 
