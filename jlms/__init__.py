@@ -16,6 +16,7 @@ from jlms._nnx import OffloadedNnxStep as OffloadedNnxStep
 from jlms._nnx import offload_nnx as offload_nnx
 from jlms._plan import OffloadedValue as OffloadedValue
 from jlms._plan import Plan as Plan
+from jlms._replan import ReplanWarning as ReplanWarning
 from jlms._tradeoff import Tradeoff as Tradeoff
 from jlms._tradeoff import TradeoffPoint as TradeoffPoint
 from jlms._budget import BudgetError as BudgetError

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -39,6 +40,7 @@ from jlms._loop_sink import loop_sinks, sink_into_loops
 from jlms._loops import find_scan_residuals, offload_scan_residuals
 from jlms._plan import Plan, build_plan
 from jlms._planner import Offload, plan_offloads
+from jlms._replan import PlanCounter
 from jlms._program import Program, flatten
 from jlms._rewrite import rewrite
 from jlms._sharding import abstract_arguments, unseen_split
@@ -146,6 +148,7 @@ class OffloadedStep:
     donate_argnums, donate_argnames = complete_argnums(
         fun, donate_argnums, donate_argnames)
     self._analyses: collections.OrderedDict = collections.OrderedDict()
+    self._plans = PlanCounter()
     self._variants: dict = {}  # id(plain program) -> its placed variants
     self.jit_options = dict(
         static_argnums=self._static_argnums,
@@ -350,6 +353,7 @@ class OffloadedStep:
     if cached is not None:
       self._analyses.move_to_end(key)
       return cached, leaves
+    start = time.perf_counter()
     out_trees = []
 
     def flat_fun(*flat):
@@ -373,6 +377,7 @@ class OffloadedStep:
       raise
     except Exception as error:  # jlms's failure, not the step's
       analysis = self._planning_failed(error)
+    self._plans.record(time.perf_counter() - start, self._name)
     self._analyses[key] = analysis
     if len(self._analyses) > _CACHE_SIZE:
       self._analyses.popitem(last=False)

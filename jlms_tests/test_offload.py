@@ -1,6 +1,8 @@
 """`jlms.offload`: same results as `jax.jit`, the jit surface, bad input."""
 
 import functools
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -183,6 +185,20 @@ def test_under_disable_jit_the_step_runs_op_by_op_as_jax_jit_does():
     actual = step(params, x)
     expected = jax.jit(_sgd_step)(params, x)
   assert max_relative_error(actual, expected) <= F32_TOLERANCE
+
+
+def test_a_step_planned_at_every_call_warns_once_with_the_cost():
+  step = jlms.offload(_sgd_step, **EAGER)
+  params, _ = _mlp_args()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for batch in (8, 16, 24, 32, 40):
+      step(params, jnp.ones((batch, 64)))
+      replans = [w for w in caught
+                 if issubclass(w.category, jlms.ReplanWarning)]
+      assert len(replans) == (0 if batch < 24 else 1)
+  assert re.search(r"planned for 3 argument signatures, \d+\.\d\d s of "
+                   r"planning", str(replans[0].message))
 
 
 def test_plan_reports_values_like_tfmls():
