@@ -87,6 +87,36 @@ def split_arguments(args, kwargs, static_argnums, static_argnames
   return SplitArguments(leaves, treedef, static_args, static_kwargs)
 
 
+def committed_where_they_are(args, kwargs) -> tuple[tuple, dict]:
+  """`args` and `kwargs` with each uncommitted array committed to the
+  device it is on (no copy: the same buffer, so donating it donates the
+  caller's), where no committed argument lives on other devices (there
+  jax.jit moves it; it is left as it is).
+
+  Why: JAX commits the outputs of a program that moves values between
+  memory spaces, as jlms's do, and jax.jit compiles again when an argument's
+  commitment changes. A train loop's first call has fresh (uncommitted)
+  arguments and the next ones its outputs: committed from the first call
+  on, the program compiled for it is the one every later call uses.
+  """
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  arrays = [x for x in leaves if isinstance(x, jax.Array)
+            and not isinstance(x, jax.core.Tracer)]
+  if all(x.committed for x in arrays) or any(x.is_deleted() for x in arrays):
+    return args, kwargs  # a deleted (donated) one gets jax.jit's own error
+  devices = {frozenset(x.sharding.device_set) for x in arrays if x.committed}
+
+  def commit(x):
+    if (not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer)
+        or x.committed):
+      return x
+    if devices and devices != {frozenset(x.sharding.device_set)}:
+      return x
+    return jax.device_put(x, x.sharding)
+
+  return jax.tree.unflatten(treedef, [commit(x) for x in leaves])
+
+
 def _abstract_leaves(leaves, treedef):
   try:
     return [_compat.abstractify(x) for x in leaves]

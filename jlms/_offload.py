@@ -29,7 +29,8 @@ import jax
 import numpy as np
 
 from jlms import _compat
-from jlms._arguments import SplitArguments, complete_argnums, split_arguments
+from jlms._arguments import (SplitArguments, committed_where_they_are,
+                             complete_argnums, split_arguments)
 from jlms._config import OffloadConfig, SyncMode
 from jlms._fallback import (OffloadError, describe,
                             raise_unless_fallback_allowed, warn_fallback)
@@ -183,6 +184,7 @@ class OffloadedStep:
   def __call__(self, *args, **kwargs):
     if jax.config.jax_disable_jit:
       return self._fun(*args, **kwargs)  # op by op, as jax.jit's step runs
+    args, kwargs = committed_where_they_are(args, kwargs)
     program = self._program_for(args, kwargs)
     if program is self._plain_jitted:
       return program(*args, **kwargs)

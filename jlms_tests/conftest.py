@@ -36,6 +36,22 @@ def fast_cpu_compile_options() -> dict:
   return older_emitters
 
 
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_backend_compiles: list[float] = []
+
+
+@functools.cache
+def backend_compiles() -> list[float]:
+  """The seconds of each XLA backend compile in this process from the first
+  call on (appended as they happen; one listener, registered once, since
+  jax.monitoring has no public way to remove one)."""
+  def listener(event, seconds, **kwargs):
+    if event == _BACKEND_COMPILE:
+      _backend_compiles.append(seconds)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  return _backend_compiles
+
+
 def max_relative_error(actual, expected) -> float:
   """Worst, over the leaves of two pytrees, of max|a - e| / max|e| (the
   normwise error of each leaf, so that exact zeros do not divide)."""

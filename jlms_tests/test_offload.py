@@ -12,7 +12,8 @@ import pytest
 
 import jlms
 from benchmarks import models
-from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
+from jlms_tests.conftest import (F32_TOLERANCE, backend_compiles,
+                                 max_relative_error)
 
 # Small thresholds so that even tiny test models offload plenty.
 EAGER = dict(min_bytes=1, swapout_threshold=4)
@@ -185,6 +186,26 @@ def test_under_disable_jit_the_step_runs_op_by_op_as_jax_jit_does():
     actual = step(params, x)
     expected = jax.jit(_sgd_step)(params, x)
   assert max_relative_error(actual, expected) <= F32_TOLERANCE
+
+
+def test_steps_on_their_own_outputs_compile_once():
+  # jlms's outputs are committed (JAX commits the outputs of a program with
+  # host copies) and jax.jit compiles again for committed arguments: the
+  # first call's fresh arguments are committed where they are.
+  compiles = backend_compiles()
+  traces = []
+
+  def counted(params, x):
+    traces.append(1)
+    return _sgd_step(params, x)
+
+  step = jlms.offload(counted, donate_argnums=0, **EAGER)
+  params, x = _mlp_args()
+  params, _ = step(params, x)
+  first = (len(traces), len(compiles))
+  for _ in range(4):
+    params, _ = step(params, jnp.ones((32, 64)))  # a fresh batch each step
+  assert (len(traces), len(compiles)) == first
 
 
 def test_a_step_planned_at_every_call_warns_once_with_the_cost():
