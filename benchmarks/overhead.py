@@ -27,7 +27,6 @@ import jlms
 from benchmarks import models
 from benchmarks._output import write_json
 from jlms import _compat
-from jlms._rewrite import rewrite
 
 CASES = {
     "mlp": lambda: models.mlp_case(depth=16, width=1024, batch=1024),
@@ -39,10 +38,11 @@ CASES = {
 
 
 def _barriers_only(step: jlms.OffloadedStep, args):
-  """The step's rewritten schedule with the copies left out."""
+  """The step's rewritten schedule with the copies left out: made by the
+  very call that made the program that runs, so that its barriers (anchored
+  where XLA runs each fused equation) are that program's."""
   analysis = step._analysis(args, {})[0]
-  closed = rewrite(analysis.program, analysis.offloads, step.config,
-                   analysis.rewritten.jaxpr.debug_info, transfers=False)
+  closed = analysis.without_copies()
 
   def run(*call_args):
     leaves = jax.tree.leaves(call_args)
@@ -53,7 +53,9 @@ def _barriers_only(step: jlms.OffloadedStep, args):
 
 
 def _median_step_seconds(steps: dict, args, repeats: int) -> dict:
-  """Median wall time of one step of each program, timed alternately."""
+  """Median wall time of one step of each program, timed alternately, each
+  call until its outputs are ready (jax dispatches asynchronously)."""
+  jax.block_until_ready(args)  # made asynchronously: not the first step's
   for step in steps.values():
     jax.block_until_ready(step(*args))  # compile
   times = {name: [] for name in steps}

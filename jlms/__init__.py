@@ -8,12 +8,15 @@ measures what XLA's GPU compiler makes of it, with or without a GPU.
 from jlms._compat import UnsupportedJaxError as UnsupportedJaxError
 from jlms._config import OffloadConfig as OffloadConfig
 from jlms._config import SyncMode as SyncMode
+from jlms._fallback import FallbackWarning as FallbackWarning
+from jlms._fallback import OffloadError as OffloadError
 from jlms._offload import OffloadedStep as OffloadedStep
 from jlms._offload import offload as offload
 from jlms._nnx import OffloadedNnxStep as OffloadedNnxStep
 from jlms._nnx import offload_nnx as offload_nnx
 from jlms._plan import OffloadedValue as OffloadedValue
 from jlms._plan import Plan as Plan
+from jlms._replan import ReplanWarning as ReplanWarning
 from jlms._tradeoff import Tradeoff as Tradeoff
 from jlms._tradeoff import TradeoffPoint as TradeoffPoint
 from jlms._budget import BudgetError as BudgetError

@@ -288,13 +288,20 @@ def closed_jaxpr(constvars, consts, invars, outvars, eqns, debug_info):
   return ClosedJaxpr(jaxpr, list(consts))
 
 
-def call_template(closed) -> tuple[dict, Any] | None:
+def call_template(closed) -> tuple[dict, Any]:
   """(params, debug info) of the single jit equation that
-  `jax.make_jaxpr(jax.jit(f))` produces, or None if it produced another
-  shape of jaxpr."""
+  `jax.make_jaxpr(jax.jit(f))` produces. Raises if it produced another
+  shape of jaxpr: under `jax.disable_jit()` (the step's equations come
+  inlined), or in a JAX that jlms does not know."""
   jaxpr, _ = jaxpr_parts(closed)
   if len(jaxpr.eqns) != 1 or not is_jit_primitive(jaxpr.eqns[0].primitive):
-    return None
+    if jax.config.jax_disable_jit:
+      raise RuntimeError(
+          "jlms: a step cannot be planned under jax.disable_jit(): "
+          "jax.jit(step) traces to the step's equations inlined, with no "
+          "jit equation to stage the rewritten program as")
+    raise _unsupported(f"a jax.jit(step) trace of {len(jaxpr.eqns)} "
+                       "equations, not one jit equation")
   params = jaxpr.eqns[0].params
   return dict(params), jaxpr_parts(_param(jaxpr.eqns[0], "jaxpr"))[0].debug_info
 

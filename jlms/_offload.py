@@ -10,7 +10,9 @@ Guarantees: for every abstract signature the rewrite is computed once and
 cached; outputs equal `jax.jit(step)`'s (host copies are exact); calling the
 step under an outer trace (`jax.jit(step)`, `.lower` with
 `ShapeDtypeStruct`s of other devices) emits the rewritten program into that
-trace.
+trace; where jlms fails to plan, rewrite or compile a signature's program,
+that signature runs as `jax.jit`'s program (`jlms._fallback` says when it
+raises instead).
 """
 
 from __future__ import annotations
@@ -20,13 +22,18 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 from jlms import _compat
+from jlms._arguments import (SplitArguments, committed_where_they_are,
+                             complete_argnums, split_arguments)
 from jlms._config import OffloadConfig, SyncMode
+from jlms._fallback import (OffloadError, describe,
+                            raise_unless_fallback_allowed, warn_fallback)
 from jlms._liveness import analyse, largest_equation
 from jlms._loop_remat import (cheapest, loop_rematerializations,
                               rematerialize_in_loops)
@@ -34,6 +41,7 @@ from jlms._loop_sink import loop_sinks, sink_into_loops
 from jlms._loops import find_scan_residuals, offload_scan_residuals
 from jlms._plan import Plan, build_plan
 from jlms._planner import Offload, plan_offloads
+from jlms._replan import PlanCounter
 from jlms._program import Program, flatten
 from jlms._rewrite import rewrite
 from jlms._sharding import abstract_arguments, unseen_split
@@ -46,7 +54,8 @@ from jlms._fit import fit
 from jlms._tradeoff import Tradeoff, TradeoffPoint
 from jlms._placement import place_fused_at_readers
 from jlms._schedule import predict_step_time
-from jlms._xla_memory import target_memory_bytes, xla_memory
+from jlms._verify import compare_memory_of_call
+from jlms._xla_memory import KNOWN_TARGETS, target_memory_bytes, xla_memory
 
 _CACHE_SIZE = 32
 
@@ -81,6 +90,14 @@ class _Analysed:
     return cls(program, liveness, analyse_fusion(program, liveness))
 
 
+class _PlanNeeded(Exception):
+  """Planning failed where the step does not fit its budget as it is (the
+  failure is the `__cause__`)."""
+
+  def __init__(self, budget: int):
+    super().__init__(format_bytes(budget))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Analysis:
   program: Program
@@ -90,14 +107,27 @@ class _Analysis:
   rewritten: Any  # the closed jaxpr that runs
   jit_params: dict  # params of the nested-jit equation that stages it
   plain: Any = None  # the step as traced, analysed (`_Analysed`)
+  # Makes `rewritten` again with the copies left out; None where jlms did
+  # not rewrite the step.
+  rewrite_without_copies: Callable[[], Any] | None = None
+  # The step does not fit its budget as jax.jit's program.
+  needs_plan: bool = False
+  # Why jlms has no program for these arguments (the step then runs as
+  # jax.jit's); None when it has one.
+  failure: BaseException | None = None
 
+  @property
+  def rewrites_the_step(self) -> bool:
+    """Whether the program that runs is jlms's, not the step as traced."""
+    return self.failure is None and self.rewrite_without_copies is not None
 
-def _as_tuple(x) -> tuple:
-  if x is None:
-    return ()
-  if isinstance(x, (int, str)):
-    return (x,)
-  return tuple(x)
+  def without_copies(self):
+    """The closed jaxpr that runs, with the same barriers and
+    recomputations but no copies to host: what the benchmarks time to
+    price the barriers alone."""
+    if self.rewrite_without_copies is None:
+      return self.rewritten
+    return self.rewrite_without_copies()
 
 
 class OffloadedStep:
@@ -106,22 +136,31 @@ class OffloadedStep:
   def __init__(self, fun: Callable, config: OffloadConfig, *,
                static_argnums=(), static_argnames=(), donate_argnums=(),
                donate_argnames=(), verify=None, budget=DEVICE, target=None,
-               min_bytes_given=None, host_budget=None):
+               min_bytes_given=None, host_budget=None, strict=False):
     if not callable(fun):
       raise TypeError(f"jlms.offload expects a callable, got {type(fun)}")
     functools.update_wrapper(self, fun)
     self._fun = fun
     self.config = config
-    self._static_argnums = _as_tuple(static_argnums)
-    self._static_argnames = _as_tuple(static_argnames)
+    # Completed as jax.jit completes them: the wrapper that jax.jit traces
+    # takes (*args, **kwargs), so jax cannot see the step's signature.
+    self._static_argnums, self._static_argnames = complete_argnums(
+        fun, static_argnums, static_argnames)
+    donate_argnums, donate_argnames = complete_argnums(
+        fun, donate_argnums, donate_argnames)
     self._analyses: collections.OrderedDict = collections.OrderedDict()
+    self._plans = PlanCounter()
     self._variants: dict = {}  # id(plain program) -> its placed variants
     self.jit_options = dict(
         static_argnums=self._static_argnums,
         static_argnames=self._static_argnames,
-        donate_argnums=_as_tuple(donate_argnums),
-        donate_argnames=_as_tuple(donate_argnames))
+        donate_argnums=donate_argnums, donate_argnames=donate_argnames)
     self._jitted = jax.jit(self._rewritten, **self.jit_options)
+    # jax.jit's own program, for signatures whose program jlms failed to
+    # compile (jax.jit keeps the trace of `_rewritten` that failed).
+    self._plain_jitted = jax.jit(fun, **self.jit_options)
+    self._fallen_back: dict = {}  # signature -> jlms's failure
+    self.strict = strict
     self._verify = verify
     self._verified: set = set()
     self.budget = budget
@@ -131,37 +170,106 @@ class OffloadedStep:
     self.host_budget = host_budget
     if host_budget is not None:
       parse_budget(host_budget)  # reject malformed budgets now
-    if target is not None:
-      time_target(target)  # reject unknown targets now
+    if target is not None and target not in KNOWN_TARGETS:
+      # Where XLA confirms a budget; each has a time model.
+      raise ValueError(f"jlms.offload: unknown target {target!r}; valid "
+                       f"targets: {', '.join(KNOWN_TARGETS)}")
     if budget not in (KNOBS, DEVICE, MINIMUM):
       parse_budget(budget, lambda: 1)  # reject malformed budgets now
 
   def __repr__(self) -> str:
-    name = getattr(self._fun, "__qualname__", repr(self._fun))
-    return f"jlms.offload({name}, {self.config})"
+    return f"jlms.offload({self._name}, {self.config})"
 
   # -- the jax.jit surface -------------------------------------------------
   def __call__(self, *args, **kwargs):
-    if self._should_verify(args, kwargs):
-      self.memory(*args, target="local", **kwargs)
-    return self._jitted(*args, **kwargs)
+    if jax.config.jax_disable_jit:
+      return self._fun(*args, **kwargs)  # op by op, as jax.jit's step runs
+    args, kwargs = committed_where_they_are(args, kwargs)
+    program = self._program_for(args, kwargs)
+    if program is self._plain_jitted:
+      return program(*args, **kwargs)
+    try:
+      self._check_once(args, kwargs)
+      return program(*args, **kwargs)
+    except Exception as error:  # handled outside, so as not to chain
+      failure = error
+    return self._after_failure(failure, args, kwargs)
 
-  def _should_verify(self, args, kwargs) -> bool:
-    """On a GPU, the first concrete call of each signature checks with XLA
-    that the offload is effective (it costs one extra compile of each)."""
+  def _program_for(self, args, kwargs):
+    """The jitted program for these arguments: jlms's, or jax.jit's where
+    jlms's failed to compile."""
+    if self._fallen_back and self._signature(args, kwargs) in self._fallen_back:
+      return self._plain_jitted
+    return self._jitted
+
+  def _after_failure(self, error: Exception, args, kwargs):
+    """The step's outputs by jax.jit's program when `error` is a failure of
+    jlms's program (compiling or checking it); raises `error` unchanged
+    when it is the step's own."""
+    key = self._failed_in_jlms(error, args, kwargs)
+    if key is None:
+      raise error
+    analysis = self._analyses[key]
+    raise_unless_fallback_allowed(
+        error, self._name, strict=self.strict,
+        budget=format_bytes(analysis.plan.budget_bytes)
+        if analysis.needs_plan else None)
+    # jax.jit's own error, if it fails too, is the step's: it propagates.
+    outputs = self._plain_jitted(*args, **kwargs)
+    self._fallen_back[key] = error
+    warn_fallback(error, self._name, stacklevel=3)
+    return outputs
+
+  def _failed_in_jlms(self, error: Exception, args, kwargs):
+    """The signature whose jlms program raised `error`; None when the error
+    is not jlms's: the step's own (tracing it failed, or its program is
+    jax.jit's), a decision already made (`OffloadError`, `BudgetError`),
+    inside an outer trace, or after donated arguments were consumed."""
+    if isinstance(error, (OffloadError, BudgetError)):
+      return None
+    leaves = jax.tree.leaves((args, kwargs))
+    if any(isinstance(x, jax.core.Tracer) or (
+        isinstance(x, jax.Array) and x.is_deleted()) for x in leaves):
+      return None
+    try:
+      key = self._signature(args, kwargs)
+    except TypeError:  # an argument jax.jit refuses too
+      return None
+    analysis = self._analyses.get(key)
+    if analysis is None or not analysis.rewrites_the_step:
+      return None
+    return key
+
+  @property
+  def _name(self) -> str:
+    return getattr(self._fun, "__qualname__", repr(self._fun))
+
+  def _check_once(self, args, kwargs) -> None:
+    """Checks with XLA, once per signature when asked, that jlms's program
+    keeps what it offloads on host and lowers the peak."""
+    unverified = self._unverified_signature(args, kwargs)
+    if unverified is None:
+      return
+    if self._analysis(args, kwargs)[0].failure is None:  # else: jax.jit's
+      # Not through `self.memory`: the step may take a `target` of its own.
+      compare_memory_of_call(self, args, kwargs, "local")
+    # Marked once it has run: a check that raised runs again next call.
+    self._verified.add(unverified)
+
+  def _unverified_signature(self, args, kwargs):
+    """The signature of this call if it is to be checked with XLA: on a GPU,
+    the first concrete call of each signature checks that the offload is
+    effective (it costs one extra compile of each). None otherwise."""
     verify = self._verify
     if verify is None:
       verify = jax.default_backend() == "gpu"
     if not verify:
-      return False
+      return None
     leaves = jax.tree.leaves((args, kwargs))
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
-      return False
+      return None
     key = self._signature(args, kwargs)
-    if key in self._verified:
-      return False
-    self._verified.add(key)
-    return True
+    return None if key in self._verified else key
 
   def tradeoff(self, *args, budgets=None, points: int = 6,
                **kwargs) -> Tradeoff:
@@ -169,8 +277,7 @@ class OffloadedStep:
     fastest fit (simulator and time model, no compile) of each budget in
     `budgets` (bytes or sizes), by default `points` budgets from the least
     memory jlms reaches up to `jax.jit`'s predicted peak."""
-    analysis, _ = self._analysis(args, kwargs)
-    plain = analysis.plain
+    plain = self._runnable_analysis(args, kwargs).plain
     times = time_target(self.target)
     baseline = _predicted_baseline(plain)
     least = self._fastest_fit(plain, None, times)[2]
@@ -194,67 +301,65 @@ class OffloadedStep:
                     least.timeline.peak_bytes, times.name)
 
   def lower(self, *args, **kwargs) -> jax.stages.Lowered:
-    """The `jax.stages.Lowered` of the rewritten program."""
-    return self._jitted.lower(*args, **kwargs)
+    """The `jax.stages.Lowered` of the program that runs: the rewritten
+    one, or jax.jit's where jlms failed."""
+    return self._program_for(args, kwargs).lower(*args, **kwargs)
 
   def trace(self, *args, **kwargs) -> jax.stages.Traced:
-    return self._jitted.trace(*args, **kwargs)
+    return self._program_for(args, kwargs).trace(*args, **kwargs)
 
   def eval_shape(self, *args, **kwargs):
     return self._jitted.eval_shape(*args, **kwargs)
 
   # -- what it does ----------------------------------------------------------
   def plan(self, *args, **kwargs) -> Plan:
-    """The offload plan for these arguments (arrays or ShapeDtypeStructs)."""
-    return self._analysis(args, kwargs)[0].plan
+    """The offload plan for these arguments (arrays or ShapeDtypeStructs).
+    Raises `jlms.OffloadError` where jlms failed for them (the step runs
+    as jax.jit's program)."""
+    return self._runnable_analysis(args, kwargs).plan
+
+  def _runnable_analysis(self, args, kwargs) -> _Analysis:
+    """The analysis of these arguments; `OffloadError` where jlms failed
+    to plan or compile them."""
+    analysis = self._analysis(args, kwargs)[0]
+    failure = analysis.failure
+    if failure is None and self._fallen_back:
+      failure = self._fallen_back.get(self._signature(args, kwargs))
+    if failure is not None:
+      raise OffloadError(
+          f"jlms.offload({self._name}) has no plan that runs for these "
+          f"arguments: jlms failed with {describe(failure)}; the step runs "
+          "as jax.jit's program") from failure
+    return analysis
 
   def memory(self, *args, target: str = "h100", **kwargs):
     """XLA's memory for `target` ("h100", "h200", "a100" deviceless, or
     "local") with and without jlms, as a `jlms.MemoryComparison`; warns with
     `jlms.OffloadIneffectiveWarning` when the offload does nothing."""
-    from jlms._verify import compare_memory
-    return compare_memory(self, *args, target=target, **kwargs)
+    return compare_memory_of_call(self, args, kwargs, target)
 
   # -- internals -----------------------------------------------------------
-  def _static_positions(self, nargs: int) -> set[int]:
-    return {i % nargs for i in self._static_argnums if -nargs <= i < nargs}
-
-  def _split_static(self, args, kwargs):
-    static_pos = self._static_positions(len(args))
-    dyn_args = tuple(None if i in static_pos else a for i, a in enumerate(args))
-    static_args = tuple((i, args[i]) for i in sorted(static_pos))
-    dyn_kwargs = {k: v for k, v in kwargs.items()
-                  if k not in self._static_argnames}
-    static_kwargs = tuple(sorted((k, v) for k, v in kwargs.items()
-                                 if k in self._static_argnames))
-    leaves, treedef = jax.tree.flatten((dyn_args, dyn_kwargs))
-    return leaves, treedef, static_args, static_kwargs
-
-  @staticmethod
-  def _key(leaves, treedef, static_args, static_kwargs) -> tuple:
-    return (treedef, static_args, static_kwargs,
-            tuple(_compat.abstractify(x) for x in leaves))
+  def _split(self, args, kwargs) -> SplitArguments:
+    return split_arguments(args, kwargs, self._static_argnums,
+                           self._static_argnames)
 
   def _signature(self, args, kwargs) -> tuple:
-    return self._key(*self._split_static(args, kwargs))
+    return self._split(args, kwargs).key()
 
   def _analysis(self, args, kwargs) -> tuple[_Analysis, list]:
     """The cached analysis for these arguments, with their dynamic leaves."""
-    split = self._split_static(args, kwargs)
-    leaves, treedef, static_args, static_kwargs = split
-    key = self._key(*split)
+    split = self._split(args, kwargs)
+    leaves = split.leaves
+    key = split.key()
     cached = self._analyses.get(key)
     if cached is not None:
       self._analyses.move_to_end(key)
       return cached, leaves
+    start = time.perf_counter()
     out_trees = []
 
     def flat_fun(*flat):
-      dyn_args, dyn_kwargs = jax.tree.unflatten(treedef, flat)
-      full_args = list(dyn_args)
-      for i, value in static_args:
-        full_args[i] = value
-      out = self._fun(*full_args, **dyn_kwargs, **dict(static_kwargs))
+      out = split.call(self._fun, flat)
       out_leaves, out_tree = jax.tree.flatten(out)
       out_trees.append(out_tree)
       return out_leaves
@@ -268,6 +373,21 @@ class OffloadedStep:
                  "jittable (mark Python-valued arguments static with "
                  "static_argnums/static_argnames).")
       raise
+    try:
+      analysis = self._planned(closed, leaves, out_trees)
+    except BudgetError:
+      raise
+    except Exception as error:  # jlms's failure, not the step's
+      analysis = self._planning_failed(error)
+    self._plans.record(time.perf_counter() - start, self._name)
+    self._analyses[key] = analysis
+    if len(self._analyses) > _CACHE_SIZE:
+      self._analyses.popitem(last=False)
+    return analysis, leaves
+
+  def _planned(self, closed, leaves, out_trees) -> _Analysis:
+    """The analysis of the step traced as `closed`: its plan and the
+    program that runs."""
     jit_params, debug_info = _compat.call_template(closed)
     plain = dataclasses.replace(
         _Analysed.of(flatten(closed)),
@@ -279,11 +399,23 @@ class OffloadedStep:
     else:
       analysis = self._fit_budget(plain, baseline, jit_params, debug_info,
                                   leaves, out_trees)
-    analysis = dataclasses.replace(analysis, plain=plain)
-    self._analyses[key] = analysis
-    if len(self._analyses) > _CACHE_SIZE:
-      self._analyses.popitem(last=False)
-    return analysis, leaves
+    return dataclasses.replace(analysis, plain=plain)
+
+  def _planning_failed(self, error: Exception,
+                       needs_plan: bool = False) -> _Analysis:
+    """The analysis of a step that jlms failed to plan, rewrite or stage:
+    it runs as jax.jit's program, with one warning; raises instead where
+    that is not allowed."""
+    budget = None
+    if isinstance(error, _PlanNeeded):
+      budget, error = str(error), error.__cause__
+    elif needs_plan or self.budget not in (KNOBS, DEVICE, MINIMUM):
+      # A budget the user gave: jax.jit's program is not known to meet it.
+      budget = repr(self.budget)
+    raise_unless_fallback_allowed(error, self._name, strict=self.strict,
+                                  budget=budget)
+    warn_fallback(error, self._name, stacklevel=4)
+    return _Analysis(None, (), None, None, None, None, failure=error)
 
   def _apply_knobs(self, plain, baseline, jit_params, debug_info,
                    out_trees) -> _Analysis:
@@ -301,8 +433,8 @@ class OffloadedStep:
                              unforced.materialized)
     forced = analyse_fusion(program, liveness,
                             frozenset(o.value for o in offloads))
-    rewritten = self._rewrite(program, liveness, offloads, self.config,
-                              debug_info, forced)
+    rewritten, without_copies = self._rewrite(
+        program, liveness, offloads, self.config, debug_info, forced)
     timeline = simulate(program, liveness, offloads, forced)
     plan = build_plan(
         program, liveness, offloads, self.config, baseline, timeline,
@@ -311,7 +443,7 @@ class OffloadedStep:
         **self._step_times(plain, (program, liveness, forced), offloads,
                            self.config.sync_mode, residuals))
     return _Analysis(program, offloads, plan, out_trees[-1], rewritten,
-                     jit_params)
+                     jit_params, rewrite_without_copies=without_copies)
 
   def _step_times(self, plain, planned=None, offloads=(),
                   sync_mode=SyncMode.NONE, residuals=()) -> dict:
@@ -343,11 +475,14 @@ class OffloadedStep:
 
   @staticmethod
   def _rewrite(program, liveness, offloads, config, debug_info, fusion=None):
+    """The rewritten closed jaxpr, and a function that makes it again with
+    the copies left out."""
     if fusion is None:
       fusion = analyse_fusion(program, liveness,
                               frozenset(o.value for o in offloads))
-    return rewrite(program, offloads, config, debug_info, fusion=fusion,
-                   serialized=_serialized(program, liveness, config, fusion))
+    return _rewrite_twice(
+        program, offloads, config, debug_info, fusion=fusion,
+        serialized=_serialized(program, liveness, config, fusion))
 
   def _confirm_target(self) -> str | None:
     """Where XLA confirms a budget: the named target, else the local GPU,
@@ -406,8 +541,8 @@ class OffloadedStep:
                          budget, None)
     if budget is not None and target is not None:
       # The simulator can be off either way: ask XLA before offloading.
-      as_is = self._rewrite(plain_program, plain_liveness, (), self.config,
-                            debug_info, plain.fusion)
+      as_is, _ = self._rewrite(plain_program, plain_liveness, (),
+                               self.config, debug_info, plain.fusion)
       plain_peak = self._xla_peak(jit_params, as_is, abstract, target)
       log.info("jlms: XLA's peak on %s without offloading: %s", target,
                format_bytes(plain_peak))
@@ -416,6 +551,24 @@ class OffloadedStep:
                  format_bytes(budget))
         return self._as_is(plain, baseline, jit_params, debug_info,
                            out_trees, budget, (plain_peak, target))
+    try:
+      analysis = self._search_budget(plain, baseline, jit_params, debug_info,
+                                     leaves, out_trees, target, budget,
+                                     avals, abstract, plain_peak)
+    except BudgetError:
+      raise
+    except Exception as error:
+      if budget is None:
+        raise
+      raise _PlanNeeded(budget) from error
+    # The step does not fit the budget as it is: jax.jit's program won't do.
+    return dataclasses.replace(analysis, needs_plan=budget is not None)
+
+  def _search_budget(self, plain, baseline, jit_params, debug_info, leaves,
+                     out_trees, target, budget, avals, abstract,
+                     plain_peak) -> _Analysis:
+    """`_fit_budget`'s search, once the step is known not to fit as it is
+    (or the budget is the least memory): the fit, confirmed by XLA."""
     searched = budget
     unseen = unseen_split(avals, leaves)
     if unseen > 1 and budget is not None:
@@ -450,13 +603,15 @@ class OffloadedStep:
                          budget, None)
 
     def rewritten_of(placed, result):
-      return rewrite(
+      """The rewritten program, and a function that makes it again with
+      the copies left out."""
+      return _rewrite_twice(
           placed.program, result.offloads, config, debug_info,
           fusion=placed.fusion, pin_contractions=True,
           serialized=_serialized(placed.program, placed.liveness, config,
                                  placed.fusion))
 
-    rewritten = rewritten_of(placed, result)
+    rewritten, without_copies = rewritten_of(placed, result)
     measured = None
     if target is not None:
       measured = self._xla_peak(jit_params, rewritten, abstract, target)
@@ -484,7 +639,7 @@ class OffloadedStep:
       except BudgetError:
         simulator_refused = True  # no smaller plan of this kind: say so
         continue
-      rewritten = rewritten_of(placed, result)
+      rewritten, without_copies = rewritten_of(placed, result)
       measured = self._xla_peak(jit_params, rewritten, abstract, target)
       smallest = min(smallest, measured)
       compiles += 1
@@ -502,13 +657,15 @@ class OffloadedStep:
         faster = None
       if (faster is not None and faster[2].step_time.total_s
           < 0.98 * result.step_time.total_s):
-        candidate = rewritten_of(faster[0], faster[2])
+        candidate, candidate_without_copies = rewritten_of(faster[0],
+                                                           faster[2])
         peak = self._xla_peak(jit_params, candidate, abstract, target)
         log.info("jlms: XLA's peak on %s of a faster plan: %s", target,
                  format_bytes(peak))
         if peak <= budget:
           placed, residuals, result = faster
           rewritten, measured = candidate, peak
+          without_copies = candidate_without_copies
     placed_liveness = placed.liveness
     plan = build_plan(
         placed.program, placed_liveness, result.offloads, config, baseline,
@@ -520,7 +677,8 @@ class OffloadedStep:
             result.step_time),
         time_target=times.name)
     return _Analysis(placed.program, result.offloads, plan, out_trees[-1],
-                     rewritten, jit_params)
+                     rewritten, jit_params,
+                     rewrite_without_copies=without_copies)
 
   def _fastest_fit(self, plain, budget, times):
     """(placed program, streamed residuals, `jlms._fit.Fit`) of the fastest
@@ -636,9 +794,11 @@ class OffloadedStep:
              xla) -> _Analysis:
     """jax.jit's program, unchanged, with its plan."""
     rewritten = plain.traced  # the step's own jaxpr, as traced
+    without_copies = None
     if self.config.serialize or self.config.serialize_by_size is not None:
-      rewritten = self._rewrite(plain.program, plain.liveness, (),
-                                self.config, debug_info, plain.fusion)
+      rewritten, without_copies = self._rewrite(
+          plain.program, plain.liveness, (), self.config, debug_info,
+          plain.fusion)
     plan = build_plan(
         plain.program, plain.liveness, (), self.config, baseline, baseline,
         budget_bytes=budget, fitted=True,
@@ -646,12 +806,27 @@ class OffloadedStep:
         xla_target=None if xla is None else xla[1],
         **self._step_times(plain))
     return _Analysis(plain.program, (), plan, out_trees[-1], rewritten,
-                     jit_params)
+                     jit_params, rewrite_without_copies=without_copies)
 
   def _rewritten(self, *args, **kwargs):
     analysis, leaves = self._analysis(args, kwargs)
-    outs = _compat.bind_jit(analysis.jit_params, analysis.rewritten, leaves)
-    return jax.tree.unflatten(analysis.out_tree, outs)
+    if analysis.failure is None:
+      try:
+        outs = _compat.bind_jit(analysis.jit_params, analysis.rewritten,
+                                leaves)
+        return jax.tree.unflatten(analysis.out_tree, outs)
+      except Exception as error:  # staging jlms's program: jlms's failure
+        self._analyses[self._signature(args, kwargs)] = (
+            self._planning_failed(error, analysis.needs_plan))
+    return self._fun(*args, **kwargs)  # jax.jit's program, in this trace
+
+
+def _rewrite_twice(*args, **kwargs):
+  """`rewrite(*args, **kwargs)`, and a function that makes it again with
+  the copies left out (the same barriers, so that a benchmark times the
+  schedule that runs)."""
+  return (rewrite(*args, **kwargs),
+          functools.partial(rewrite, *args, **kwargs, transfers=False))
 
 
 def _predicted_baseline(plain):
@@ -684,7 +859,8 @@ def offload(fun: Callable | None = None, *,
             verify: bool | None = None,
             budget: int | str | None = None,
             target: str | None = None,
-            host_budget: int | str | None = None):
+            host_budget: int | str | None = None,
+            strict: bool = False):
   """Wraps a train step so that it fits a device memory budget in the least
   time it can.
 
@@ -749,6 +925,16 @@ def offload(fun: Callable | None = None, *,
       (bytes or a size). None (default): XLA's pinned pool,
       `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` GiB or 64, and on a local GPU no
       more than the machine's available memory.
+    strict: what happens when jlms itself fails for some arguments
+      (planning, rewriting, or XLA compiling or checking the rewritten
+      program; a step that jax.jit cannot trace or run fails as it does
+      under jax.jit, whatever `strict` says). False (default): the step
+      runs as `jax.jit`'s program for those arguments, with one
+      `jlms.FallbackWarning` that names the failure, except under a budget
+      that `jax.jit`'s program is not known to meet (a `budget` given in
+      bytes, as a size or a percentage, or the device's memory when the
+      step does not fit it), where `jlms.OffloadError` is raised. True:
+      `jlms.OffloadError` is raised, from the failure.
 
   Returns:
     An `OffloadedStep`: call it like the step; `.lower(...)`, `.trace(...)`
@@ -770,7 +956,7 @@ def offload(fun: Callable | None = None, *,
                      donate_argnums=donate_argnums,
                      donate_argnames=donate_argnames, verify=verify,
                      budget=budget, target=target, min_bytes_given=min_bytes,
-                     host_budget=host_budget)
+                     host_budget=host_budget, strict=strict)
   if fun is None:
     return lambda f: OffloadedStep(f, config, **jit_options)
   return OffloadedStep(fun, config, **jit_options)

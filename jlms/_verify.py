@@ -17,7 +17,7 @@ import jax
 
 from jlms._plan import Plan
 from jlms._units import format_bytes
-from jlms._xla_memory import XlaMemory, xla_memory
+from jlms._xla_memory import XlaMemory, xla_memory_of_call
 
 
 class OffloadIneffectiveWarning(UserWarning):
@@ -74,12 +74,19 @@ def compare_memory(step, *args, target: str = "h100",
                    **kwargs) -> MemoryComparison:
   """Compiles `step` (an `OffloadedStep`) with and without jlms for `target`
   and warns when the offload is ineffective."""
+  return compare_memory_of_call(step, args, kwargs, target)
+
+
+def compare_memory_of_call(step, args: tuple, kwargs: dict,
+                           target: str) -> MemoryComparison:
+  """`compare_memory` of `step(*args, **kwargs)`, whose keyword arguments
+  may include one named `target` (the step's own)."""
   baseline_fn = jax.jit(step.__wrapped__, **step.jit_options)
   comparison = MemoryComparison(
       target=target,
       plan=step.plan(*args, **kwargs),
-      baseline=xla_memory(baseline_fn, *args, target=target, **kwargs),
-      offloaded=xla_memory(step, *args, target=target, **kwargs),
+      baseline=xla_memory_of_call(baseline_fn, args, kwargs, target),
+      offloaded=xla_memory_of_call(step, args, kwargs, target),
   )
   for problem in comparison.problems:
     warnings.warn(f"jlms.offload: {problem}. Try other min_bytes / "

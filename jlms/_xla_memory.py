@@ -181,6 +181,18 @@ def xla_memory(
       ValueError: `target` is not a known target.
       DevicelessUnavailableError: a GPU target cannot be compiled here.
     """
+    return xla_memory_of_call(fn, args, kwargs, target, topology)
+
+
+def xla_memory_of_call(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    target: str = "h100",
+    topology: str | None = None,
+) -> XlaMemory:
+    """`xla_memory` of `fn(*args, **kwargs)`, whose keyword arguments may
+    include ones named `target` or `topology` (the step's own)."""
     _check_target(target)
     if target != LOCAL_TARGET:
         if topology is None:

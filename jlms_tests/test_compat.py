@@ -84,3 +84,13 @@ def test_a_plugin_of_another_jaxlib_is_named_with_the_install(monkeypatch):
   message = _xla_memory._plugin_version_mismatch()
   assert "jax-cuda13-plugin 0.0.1 does not match jaxlib" in message
   assert f"jax[cuda13-local]=={jax.__version__}" in message
+
+
+def test_call_template_refuses_a_trace_without_a_jit_equation():
+  with jax.disable_jit():
+    closed = jax.make_jaxpr(jax.jit(lambda x: jnp.sin(x) * 2))(1.0)
+    with pytest.raises(RuntimeError, match="disable_jit"):
+      _compat.call_template(closed)
+  inlined = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(1.0)
+  with pytest.raises(_compat.UnsupportedJaxError, match="2 equations"):
+    _compat.call_template(inlined)

@@ -6,8 +6,10 @@ extra installs it), started in the repository root so that `import jlms`
 finds this checkout, on the CPU platform that deviceless GPU compiles need.
 """
 
+import ast
 import os
 import pathlib
+import re
 
 import pytest
 
@@ -38,8 +40,25 @@ def outputs(notebook):
           for out in cell.get("outputs", ())]
 
 
-def test_there_are_notebooks():
+def test_notebooks_are_valid_python_that_names_only_what_jlms_has():
+  """The quick tier's check of what the slow one runs: each notebook is
+  valid nbformat, its code cells parse (IPython's syntax turned into
+  Python, as the kernel does), and each `jlms.NAME` it uses exists."""
+  import IPython.core.inputtransformer2 as transformer  # with ipykernel
+  import jlms
+  to_python = transformer.TransformerManager().transform_cell
   assert NOTEBOOKS, "notebooks/ should hold at least one .ipynb"
+  for path in NOTEBOOKS:
+    notebook = nbformat.read(path, as_version=4)
+    nbformat.validate(notebook)
+    code = [to_python(cell.source) for cell in notebook.cells
+            if cell.cell_type == "code"]
+    assert code, f"{path.name} has no code"
+    for source in code:
+      ast.parse(source, filename=path.name)
+    used = set(re.findall(r"\bjlms\.([A-Za-z_]\w*)", "\n".join(code)))
+    missing = sorted(name for name in used if not hasattr(jlms, name))
+    assert not missing, f"{path.name} uses jlms.{missing} (not in jlms)"
 
 
 @pytest.mark.slow

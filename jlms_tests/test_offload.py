@@ -1,6 +1,8 @@
 """`jlms.offload`: same results as `jax.jit`, the jit surface, bad input."""
 
 import functools
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,8 @@ import pytest
 
 import jlms
 from benchmarks import models
-from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
+from jlms_tests.conftest import (F32_TOLERANCE, backend_compiles,
+                                 max_relative_error)
 
 # Small thresholds so that even tiny test models offload plenty.
 EAGER = dict(min_bytes=1, swapout_threshold=4)
@@ -132,6 +135,33 @@ def test_static_and_donated_arguments():
   assert max_relative_error(by_name(params, x, lr=0.5), expected) <= F32_TOLERANCE
 
 
+def _sgd_step_branching_on_lr(params, x, lr=0.1):
+  if lr > 0.25:  # Python control flow on lr: it must be static
+    return _sgd_step(params, x, lr / 2)
+  return _sgd_step(params, x, lr)
+
+
+@pytest.mark.parametrize("static, call", [
+    (dict(static_argnames="lr"), lambda step, p, x: step(p, x, 0.5)),
+    (dict(static_argnums=2), lambda step, p, x: step(p, x, lr=0.5)),
+], ids=["name-passed-by-position", "number-passed-by-name"])
+def test_static_arguments_named_either_way(static, call):
+  # jax.jit completes static_argnums and static_argnames from each other
+  # through the step's signature; so does jlms.
+  params, x = _mlp_args()
+  expected = jax.jit(_sgd_step_branching_on_lr, **static)(params, x, 0.5)
+  step = jlms.offload(_sgd_step_branching_on_lr, **static, **EAGER)
+  assert max_relative_error(call(step, params, x), expected) <= F32_TOLERANCE
+  assert call(step.plan, params, x).offloaded  # planned on a concrete lr
+
+
+def test_donated_argument_named_and_passed_by_position():
+  params, x = _mlp_args()
+  step = jlms.offload(_sgd_step, donate_argnames="params", **EAGER)
+  step(params, x)
+  assert all(p.is_deleted() for p in params)
+
+
 def test_one_analysis_per_signature():
   traces = []
 
@@ -147,6 +177,49 @@ def test_one_analysis_per_signature():
   assert len(traces) == 1
   step(params, jnp.ones((16, 64)))  # a new batch shape: a new analysis
   assert len(traces) == 2
+
+
+def test_under_disable_jit_the_step_runs_op_by_op_as_jax_jit_does():
+  params, x = _mlp_args()
+  step = jlms.offload(_sgd_step, **EAGER)
+  with jax.disable_jit():
+    actual = step(params, x)
+    expected = jax.jit(_sgd_step)(params, x)
+  assert max_relative_error(actual, expected) <= F32_TOLERANCE
+
+
+def test_steps_on_their_own_outputs_compile_once():
+  # jlms's outputs are committed (JAX commits the outputs of a program with
+  # host copies) and jax.jit compiles again for committed arguments: the
+  # first call's fresh arguments are committed where they are.
+  compiles = backend_compiles()
+  traces = []
+
+  def counted(params, x):
+    traces.append(1)
+    return _sgd_step(params, x)
+
+  step = jlms.offload(counted, donate_argnums=0, **EAGER)
+  params, x = _mlp_args()
+  params, _ = step(params, x)
+  first = (len(traces), len(compiles))
+  for _ in range(4):
+    params, _ = step(params, jnp.ones((32, 64)))  # a fresh batch each step
+  assert (len(traces), len(compiles)) == first
+
+
+def test_a_step_planned_at_every_call_warns_once_with_the_cost():
+  step = jlms.offload(_sgd_step, **EAGER)
+  params, _ = _mlp_args()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for batch in (8, 16, 24, 32, 40):
+      step(params, jnp.ones((batch, 64)))
+      replans = [w for w in caught
+                 if issubclass(w.category, jlms.ReplanWarning)]
+      assert len(replans) == (0 if batch < 24 else 1)
+  assert re.search(r"planned for 3 argument signatures, \d+\.\d\d s of "
+                   r"planning", str(replans[0].message))
 
 
 def test_plan_reports_values_like_tfmls():
@@ -214,3 +287,15 @@ def test_not_jittable_is_a_clear_error():
 def test_not_callable_is_refused():
   with pytest.raises(TypeError, match="callable"):
     jlms.offload(3)
+
+
+def test_a_leaf_that_is_not_an_array_is_named_by_its_path():
+  def step(x, hyper):
+    return x * float(hyper["lr"])
+
+  offloaded = jlms.offload(step, **EAGER)
+  for entry in (offloaded, offloaded.plan):
+    with pytest.raises(TypeError, match=r"(?s)args\[1\]\['lr'\].*static"):
+      entry(jnp.ones(3), {"lr": "0.1"})
+  with pytest.raises(TypeError, match=r"(?s)kwargs\['hyper'\]\['lr'\].*static"):
+    offloaded.plan(jnp.ones(3), hyper={"lr": "0.1"})

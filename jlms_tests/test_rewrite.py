@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import jlms
+from benchmarks import models, overhead
 from jlms import _compat
 
 
@@ -88,3 +89,24 @@ def test_nothing_offloaded_means_no_transfers():
   rewritten = step._analysis(_args(), {})[0].rewritten
   assert not any(_compat.is_device_put(e) for e in rewritten.jaxpr.eqns)
   assert step.plan(*_args()).offloaded == ()
+
+
+@pytest.mark.parametrize("options", [
+    dict(min_bytes=4096, swapout_threshold=2), dict(budget="min")],
+    ids=["knobs", "fitted"])
+def test_the_overhead_benchmark_times_the_barriers_that_run(options):
+  # The barriers anchor where XLA runs each fused equation: a program
+  # without the copies must be made from the same plan and fusion.
+  case = models.mlp_case(depth=6, width=128, batch=64)
+  args = case.make_args()
+  step = jlms.offload(case.step, **options)
+
+  def counts(fn):
+    eqns = jax.make_jaxpr(fn)(*args).jaxpr.eqns
+    inner = _compat.call_body(eqns[0])[0].eqns if len(eqns) == 1 else eqns
+    return (sum(e.primitive is jax.lax.optimization_barrier_p for e in inner),
+            sum(_compat.is_device_put(e) for e in inner))
+
+  barriers, _ = counts(step)
+  assert barriers > 0
+  assert counts(overhead._barriers_only(step, args)) == (barriers, 0)

@@ -3,11 +3,14 @@
 import dataclasses
 import warnings
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 import jlms
+from jlms import _verify
 from jlms._verify import MemoryComparison
+from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
 
 
 def _chain(x):
@@ -71,3 +74,52 @@ def test_no_check_by_default_off_gpu():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     step(X)
+
+
+def test_a_step_with_a_target_argument_of_its_own_is_checked():
+  def step(x, target):
+    return _chain(x) - target
+
+  offloaded = jlms.offload(step, verify=True, **EAGER)
+  with pytest.warns(jlms.OffloadIneffectiveWarning) as caught:
+    actual = offloaded(X, target=X)
+  assert any("nothing in host" in str(w.message) for w in caught)  # checked
+  expected = jax.jit(step)(X, target=X)
+  assert max_relative_error(actual, expected) <= F32_TOLERANCE
+
+
+def _comparison_failing_once(checks):
+  def comparison(*args, **kwargs):
+    checks.append(args)
+    if len(checks) == 1:
+      raise RuntimeError("the check's compile failed")
+    return MemoryComparison(*args, **kwargs)
+  return comparison
+
+
+def test_a_check_that_raised_is_run_again_on_the_next_call(monkeypatch):
+  checks = []
+  monkeypatch.setattr(_verify, "MemoryComparison",
+                      _comparison_failing_once(checks))
+  step = jlms.offload(_chain, verify=True, strict=True, **EAGER)
+  with pytest.raises(jlms.OffloadError) as info:
+    step(X)
+  assert "check's compile failed" in str(info.value.__cause__)
+  with pytest.warns(jlms.OffloadIneffectiveWarning):
+    step(X)  # checked again, and it ran this time
+  step(X)
+  assert len(checks) == 2
+
+
+def test_a_check_that_raised_falls_back_to_jax_jit(monkeypatch):
+  checks = []
+  monkeypatch.setattr(_verify, "MemoryComparison",
+                      _comparison_failing_once(checks))
+  step = jlms.offload(_chain, verify=True, **EAGER)
+  with pytest.warns(jlms.FallbackWarning, match="check's compile failed"):
+    actual = step(X)
+  assert max_relative_error(actual, jax.jit(_chain)(X)) <= F32_TOLERANCE
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    step(X)  # jax.jit's program from now on: no check, no warning
+  assert len(checks) == 1

@@ -1,0 +1,145 @@
+"""A step's arguments as `jax.jit` splits them: static values, traced leaves,
+and the abstract signature a plan is cached under.
+
+Guarantees: `static_argnums` and `static_argnames` (and the donated pair)
+name the same parameters whichever way a caller passes them, each completed
+from the other through the step's signature as `jax.jit` does; a leaf that
+is neither an array nor static is refused with its path and what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+import jax
+
+from jlms import _compat
+
+
+def as_tuple(x) -> tuple:
+  if x is None:
+    return ()
+  if isinstance(x, (int, str)):
+    return (x,)
+  return tuple(x)
+
+
+def complete_argnums(fun: Callable, argnums, argnames
+                     ) -> tuple[tuple[int, ...], tuple[str, ...]]:
+  """(argnums, argnames) naming the same parameters of `fun`: `jax.jit`'s
+  rule, where a side left empty is filled from the other through the
+  signature (positional-or-keyword parameters only) and two given sides are
+  taken as they are."""
+  argnums, argnames = as_tuple(argnums), as_tuple(argnames)
+  if bool(argnums) == bool(argnames):
+    return argnums, argnames
+  try:
+    parameters = list(inspect.signature(fun).parameters.values())
+  except (TypeError, ValueError):  # no signature (a builtin): as given
+    return argnums, argnames
+  by_position = [(i, p.name) for i, p in enumerate(parameters)
+                 if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+  if argnames:
+    return tuple(i for i, name in by_position if name in argnames), argnames
+  return argnums, tuple(name for i, name in by_position if i in argnums)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitArguments:
+  """One call's arguments: the dynamic leaves (what is traced) and the
+  static values (what keys the plan, and is passed back unchanged)."""
+  leaves: list
+  treedef: Any  # of (positional args with None at static places, kwargs)
+  static_args: tuple  # (position, value) pairs
+  static_kwargs: tuple  # (name, value) pairs, sorted by name
+
+  def key(self) -> tuple:
+    """The signature a plan is cached under: tree structure, static values
+    and each leaf's abstract value."""
+    return (self.treedef, self.static_args, self.static_kwargs,
+            tuple(_abstract_leaves(self.leaves, self.treedef)))
+
+  def call(self, fun: Callable, leaves) -> Any:
+    """`fun` on these static values and `leaves` in place of the dynamic
+    ones."""
+    dyn_args, dyn_kwargs = jax.tree.unflatten(self.treedef, leaves)
+    full_args = list(dyn_args)
+    for i, value in self.static_args:
+      full_args[i] = value
+    return fun(*full_args, **dyn_kwargs, **dict(self.static_kwargs))
+
+
+def split_arguments(args, kwargs, static_argnums, static_argnames
+                    ) -> SplitArguments:
+  """`args` and `kwargs` split as `jax.jit` with these (completed) static
+  argument numbers and names splits them."""
+  nargs = len(args)
+  static_positions = {i % nargs for i in static_argnums if -nargs <= i < nargs}
+  dyn_args = tuple(None if i in static_positions else a
+                   for i, a in enumerate(args))
+  static_args = tuple((i, args[i]) for i in sorted(static_positions))
+  dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_argnames}
+  static_kwargs = tuple(sorted((k, v) for k, v in kwargs.items()
+                               if k in static_argnames))
+  leaves, treedef = jax.tree.flatten((dyn_args, dyn_kwargs))
+  return SplitArguments(leaves, treedef, static_args, static_kwargs)
+
+
+def committed_where_they_are(args, kwargs) -> tuple[tuple, dict]:
+  """`args` and `kwargs` with each uncommitted array committed to the
+  device it is on (no copy: the same buffer, so donating it donates the
+  caller's), where no committed argument lives on other devices (there
+  jax.jit moves it; it is left as it is).
+
+  Why: JAX commits the outputs of a program that moves values between
+  memory spaces, as jlms's do, and jax.jit compiles again when an argument's
+  commitment changes. A train loop's first call has fresh (uncommitted)
+  arguments and the next ones its outputs: committed from the first call
+  on, the program compiled for it is the one every later call uses.
+  """
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  arrays = [x for x in leaves if isinstance(x, jax.Array)
+            and not isinstance(x, jax.core.Tracer)]
+  if all(x.committed for x in arrays) or any(x.is_deleted() for x in arrays):
+    return args, kwargs  # a deleted (donated) one gets jax.jit's own error
+  devices = {frozenset(x.sharding.device_set) for x in arrays if x.committed}
+
+  def commit(x):
+    if (not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer)
+        or x.committed):
+      return x
+    if devices and devices != {frozenset(x.sharding.device_set)}:
+      return x
+    return jax.device_put(x, x.sharding)
+
+  return jax.tree.unflatten(treedef, [commit(x) for x in leaves])
+
+
+def _abstract_leaves(leaves, treedef):
+  try:
+    return [_compat.abstractify(x) for x in leaves]
+  except TypeError as error:
+    # The slow path, only to say which leaf, by its path in (args, kwargs).
+    for (which, *path), leaf in jax.tree_util.tree_leaves_with_path(
+        jax.tree.unflatten(treedef, leaves)):
+      if not _is_abstractable(leaf):
+        where = "args" if which.idx == 0 else "kwargs"
+        raise TypeError(
+            f"jlms.offload: the step's argument "
+            f"{where}{jax.tree_util.keystr(tuple(path))} is a "
+            f"{type(leaf).__name__} ({leaf!r:.60}), not an array: jax.jit "
+            "traces every argument that is not static. Mark it static with "
+            "static_argnums/static_argnames (its value then keys the plan, "
+            "and each new value plans the step again), or pass it as an "
+            "array.") from error
+    raise
+
+
+def _is_abstractable(leaf) -> bool:
+  try:
+    _compat.abstractify(leaf)
+  except TypeError:
+    return False
+  return True
