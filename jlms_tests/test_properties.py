@@ -67,7 +67,7 @@ def tflms_knobs():
   """TFLMS's knobs: `min_bytes` always (so that the rules apply as given),
   the others sometimes; small values, so that tiny steps offload."""
   return st.fixed_dictionaries(
-      {"min_bytes": st.sampled_from((1, 64, 512, 4096, 1 << 20))},
+      {"min_bytes": st.sampled_from((1, 64, 512, 1, 64, 4096))},
       optional={"swapout_threshold": st.integers(0, 30),
                 "prefetch_ahead": st.integers(0, 4),
                 "swapin_groupby": st.none() | st.integers(0, 8),
@@ -76,12 +76,15 @@ def tflms_knobs():
 
 
 #: Options that make jlms rewrite a tiny step on CPU: TFLMS's knobs, the
-#: least memory jlms reaches, or a share of the predicted peak (the
-#: simulator alone decides: there is no GPU and no target).
+#: least memory jlms reaches, or a budget between that and jax.jit's
+#: predicted peak (the simulator alone decides: there is no GPU and no
+#: target).
 forcing_options = st.one_of(
     tflms_knobs(),
-    st.just({"budget": "min"}),
-    st.builds(lambda share: {"budget_share": share}, st.floats(0.3, 1.0)))
+    st.sampled_from(({"budget": "min"}, {"budget": "min", "min_bytes": 1})),
+    st.builds(lambda share, min_bytes: {"budget_share": share,
+                                        "min_bytes": min_bytes},
+              st.floats(0.0, 1.0), st.sampled_from((1, 4096))))
 
 
 # -- running -----------------------------------------------------------------
@@ -183,9 +186,11 @@ def test_outputs_equal_jax_jits_over_three_steps(spec, options):
   options = dict(options)
   if "budget_share" in options:
     args, kwargs = drawn.abstract_args()
-    least = drawn.offload(budget="min").plan(*args, **kwargs)
+    # A share of the way from the least predicted peak to jax.jit's.
+    least = drawn.offload(budget="min", min_bytes=1).plan(*args, **kwargs)
     share = options.pop("budget_share")
-    options["budget"] = max(1, int(share * least.baseline_peak_bytes))
+    low, high = least.predicted_peak_bytes, least.baseline_peak_bytes
+    options["budget"] = int(low + share * (high - low))
   stepper = drawn.offload(**options)
   args, kwargs = drawn.abstract_args()
   plan = _jlms_outcome(lambda: stepper.plan(*args, **kwargs))
@@ -207,7 +212,9 @@ def test_outputs_equal_jax_jits_over_three_steps(spec, options):
 
 @settings(max_examples=EXAMPLES["peak"])
 @given(spec=steps.step_specs(H100_FAMILIES, MAX_DEPTH),
-       options=st.sampled_from(({}, {"budget": "min"})) | tflms_knobs())
+       options=st.sampled_from(({}, {"budget": "min"},
+                                {"budget": "min", "min_bytes": 1}))
+       | tflms_knobs())
 def test_h100_peak_is_at_most_jax_jits(spec, options):
   drawn = steps.build(spec)
   note(f"step: {spec}; options: {options}")
@@ -236,11 +243,11 @@ def test_h100_peak_is_at_most_jax_jits(spec, options):
 
 # -- (c) budgets --------------------------------------------------------------
 
-def _fitted_peak(drawn, budget):
+def _fitted_peak(drawn, budget, **options):
   """(XLA's H100 peak of the plan for `budget`, the plan), or the
   `BudgetError`."""
   args, kwargs = drawn.abstract_args()
-  stepper = drawn.offload(budget=budget, target=TARGET)
+  stepper = drawn.offload(budget=budget, target=TARGET, **options)
   plan = _jlms_outcome(lambda: stepper.plan(*args, **kwargs))
   if isinstance(plan, jlms.BudgetError):
     return plan
@@ -248,23 +255,26 @@ def _fitted_peak(drawn, budget):
 
 
 @settings(max_examples=EXAMPLES["budget"])
-@given(spec=steps.step_specs(H100_FAMILIES, MAX_DEPTH), share=st.floats(0.05, 1.5))
-def test_a_budget_fits_or_names_a_minimum_above_it_that_fits(spec, share):
+@given(spec=steps.step_specs(H100_FAMILIES, MAX_DEPTH),
+       share=st.floats(0.05, 1.5),
+       options=st.sampled_from(({}, {"min_bytes": 1})))
+def test_a_budget_fits_or_names_a_minimum_above_it_that_fits(spec, share,
+                                                              options):
   drawn = steps.build(spec)
   args, kwargs = drawn.abstract_args()
   # A share of the predicted peak of jax.jit's program (no compile).
   predicted = drawn.offload(budget="min").plan(*args, **kwargs)
   budget = max(1, int(share * predicted.baseline_peak_bytes))
   note(f"step: {spec}; budget {budget} bytes ({share:.2f} of jax.jit's "
-       "predicted peak)")
-  fitted = _fitted_peak(drawn, budget)
+       f"predicted peak); {options}")
+  fitted = _fitted_peak(drawn, budget, **options)
   if isinstance(fitted, jlms.BudgetError):
     error = fitted
     event("refused")
     assert error.smallest_bytes is not None, str(error)
     assert error.smallest_bytes > budget, str(error)
     budget = error.smallest_bytes
-    fitted = _fitted_peak(drawn, budget)
+    fitted = _fitted_peak(drawn, budget, **options)
     assert not isinstance(fitted, jlms.BudgetError), (
         f"the stated minimum {budget} does not fit: {fitted}")
   else:
@@ -275,15 +285,18 @@ def test_a_budget_fits_or_names_a_minimum_above_it_that_fits(spec, share):
 
 # -- (d) anything jlms takes --------------------------------------------------
 
-any_options = st.fixed_dictionaries({}, optional={
-    "min_bytes": st.sampled_from((1, 4096, 1 << 20)),
+any_options = st.fixed_dictionaries({
+    # A knob and a budget always: jlms's default with no target is jax.jit.
+    "min_bytes": st.sampled_from((1, 64, 4096)),
+    "budget": st.sampled_from((None, "min", "device", "50%", "1KiB", 1 << 20,
+                               1 << 14)),
+}, optional={
     "swapout_threshold": st.integers(0, 30),
     "prefetch_ahead": st.integers(0, 4),
     "swapin_groupby": st.none() | st.integers(0, 8),
     "sync_mode": st.integers(0, 3),
     "scan_residuals": st.booleans(),
     "serialize_by_size": st.none() | st.sampled_from((1, 1024)),
-    "budget": st.sampled_from(("device", "min", "50%", "1KiB", 1 << 20)),
     "host_budget": st.sampled_from((1, "1KiB", "1GiB")),
     # Rarely: a target costs XLA compiles, which (b) and (c) check.
     "target": st.sampled_from((None, None, None, TARGET)),
