@@ -66,11 +66,16 @@ def _is_scan(equation: Equation) -> bool:
 def find_scan_residuals(program: Program, liveness: Liveness,
                         config: OffloadConfig) -> tuple[ScanResidual, ...]:
   """The stacks worth keeping on host: at least `config.min_bytes`, made by
-  a scan, read only as the scanned input of scans that start more than
-  `config.swapout_threshold` equations later."""
+  a scan of two or more iterations, read only as the scanned input of scans
+  that start more than `config.swapout_threshold` equations later.
+
+  A one-iteration scan's stack is one slice: streaming it saves nothing
+  over moving it whole at the top level, and XLA folds the slicing of a
+  one-slice host stack into a bitcast across memory spaces, which it then
+  refuses ("Bitcast cannot have different memory spaces")."""
   found = []
   for index, equation in enumerate(program.equations):
-    if not _is_scan(equation):
+    if not _is_scan(equation) or _compat.scan_layout(equation.eqn).length < 2:
       continue
     for position in _stacked_outputs(equation):
       value = equation.outputs[position]

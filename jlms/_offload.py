@@ -374,7 +374,8 @@ class OffloadedStep:
                  "static_argnums/static_argnames).")
       raise
     try:
-      analysis = self._planned(closed, leaves, out_trees)
+      analysis = self._planned(closed, leaves, out_trees,
+                               self._donated_leaves(args, kwargs))
     except BudgetError:
       raise
     except Exception as error:  # jlms's failure, not the step's
@@ -385,7 +386,7 @@ class OffloadedStep:
       self._analyses.popitem(last=False)
     return analysis, leaves
 
-  def _planned(self, closed, leaves, out_trees) -> _Analysis:
+  def _planned(self, closed, leaves, out_trees, donated=()) -> _Analysis:
     """The analysis of the step traced as `closed`: its plan and the
     program that runs."""
     jit_params, debug_info = _compat.call_template(closed)
@@ -398,7 +399,7 @@ class OffloadedStep:
                                    out_trees)
     else:
       analysis = self._fit_budget(plain, baseline, jit_params, debug_info,
-                                  leaves, out_trees)
+                                  leaves, out_trees, donated)
     return dataclasses.replace(analysis, plain=plain)
 
   def _planning_failed(self, error: Exception,
@@ -492,11 +493,25 @@ class OffloadedStep:
     return "local" if jax.default_backend() == "gpu" else None
 
   @staticmethod
-  def _xla_peak(jit_params, rewritten, abstract, target) -> int:
+  def _xla_peak(jit_params, rewritten, abstract, target, donated=()) -> int:
+    """XLA's peak of `rewritten` on `target`, its `donated` leaves donated
+    as the step donates them (XLA reuses their buffers for outputs)."""
     def program_fn(*leaves):
       return _compat.bind_jit(jit_params, rewritten, leaves)
-    return xla_memory(jax.jit(program_fn), *abstract,
+    return xla_memory(jax.jit(program_fn, donate_argnums=donated), *abstract,
                       target=target).peak_bytes
+
+  def _donated_leaves(self, args, kwargs) -> tuple[int, ...]:
+    """Positions, among a call's dynamic leaves, of those the step donates,
+    as jax.jit reads `donate_argnums` and `donate_argnames`."""
+    options = self.jit_options
+    if not options["donate_argnums"] and not options["donate_argnames"]:
+      return ()
+    # The step's own signature, which jax.jit maps argument names through.
+    signature_only = functools.wraps(self._fun)(lambda *a, **k: None)
+    traced = jax.jit(signature_only, **options).trace(*args, **kwargs)
+    return tuple(i for i, info in enumerate(jax.tree.leaves(traced.args_info))
+                 if info.donated)
 
   def _budget_bytes(self, target: str | None) -> int | None:
     """The budget in bytes per device; None for "as little as jlms can" or
@@ -511,7 +526,7 @@ class OffloadedStep:
                         lambda: target_memory_bytes(target or "local"))
 
   def _fit_budget(self, plain, baseline, jit_params, debug_info, leaves,
-                  out_trees) -> _Analysis:
+                  out_trees, donated=()) -> _Analysis:
     """The fastest plan whose peak fits the budget: `jlms._fit` chooses per
     value with the simulator and the time model; XLA (on `target`, else on
     the local GPU) confirms the peak, and the choice is made again for a
@@ -543,7 +558,8 @@ class OffloadedStep:
       # The simulator can be off either way: ask XLA before offloading.
       as_is, _ = self._rewrite(plain_program, plain_liveness, (),
                                self.config, debug_info, plain.fusion)
-      plain_peak = self._xla_peak(jit_params, as_is, abstract, target)
+      plain_peak = self._xla_peak(jit_params, as_is, abstract, target,
+                                  donated)
       log.info("jlms: XLA's peak on %s without offloading: %s", target,
                format_bytes(plain_peak))
       if plain_peak <= budget:
@@ -554,7 +570,7 @@ class OffloadedStep:
     try:
       analysis = self._search_budget(plain, baseline, jit_params, debug_info,
                                      leaves, out_trees, target, budget,
-                                     avals, abstract, plain_peak)
+                                     avals, abstract, plain_peak, donated)
     except BudgetError:
       raise
     except Exception as error:
@@ -566,9 +582,10 @@ class OffloadedStep:
 
   def _search_budget(self, plain, baseline, jit_params, debug_info, leaves,
                      out_trees, target, budget, avals, abstract,
-                     plain_peak) -> _Analysis:
+                     plain_peak, donated=()) -> _Analysis:
     """`_fit_budget`'s search, once the step is known not to fit as it is
     (or the budget is the least memory): the fit, confirmed by XLA."""
+    plain_program, plain_liveness = plain.program, plain.liveness
     searched = budget
     unseen = unseen_split(avals, leaves)
     if unseen > 1 and budget is not None:
@@ -611,23 +628,59 @@ class OffloadedStep:
           serialized=_serialized(placed.program, placed.liveness, config,
                                  placed.fusion))
 
+    if budget is None and result.timeline.peak_bytes >= baseline.peak_bytes:
+      return self._as_is(
+          plain, baseline, jit_params, debug_info, out_trees, budget, None,
+          reason="jlms's least-memory plan is predicted to peak at "
+          f"{format_bytes(result.timeline.peak_bytes)}, no lower than "
+          f"jax.jit's program ({format_bytes(baseline.peak_bytes)})")
+
     rewritten, without_copies = rewritten_of(placed, result)
-    measured = None
+    measured = least_peak = None
     if target is not None:
-      measured = self._xla_peak(jit_params, rewritten, abstract, target)
+      measured = self._xla_peak(jit_params, rewritten, abstract, target,
+                                donated)
       smallest = measured
+      if simulator_refused:  # the plan in hand is the least-memory one
+        least_peak = measured
       log.info("jlms: XLA's peak on %s: %s (budget %s)", target,
                format_bytes(measured),
                "none" if budget is None else format_bytes(budget))
+    if budget is None and measured is not None:
+      # A plan XLA finds no smaller than jax.jit's program is not applied.
+      as_is, _ = self._rewrite(plain_program, plain_liveness, (),
+                               self.config, debug_info, plain.fusion)
+      plain_peak = self._xla_peak(jit_params, as_is, abstract, target,
+                                  donated)
+      if measured >= plain_peak:
+        return self._as_is(
+            plain, baseline, jit_params, debug_info, out_trees, budget,
+            (plain_peak, target),
+            reason=f"XLA's peak on {target} with jlms's least-memory plan "
+            f"is {format_bytes(measured)}, no lower than jax.jit's program's "
+            f"({format_bytes(plain_peak)})")
     compiles = 1
     while budget is not None and measured is not None and measured > budget:
       if simulator_refused or compiles >= _CONFIRMATIONS:
-        error = BudgetError(
-            f"jlms: the step does not fit a budget of {format_bytes(budget)} "
-            f"on {target}: the smallest peak XLA compiled for a jlms plan is "
-            f"{format_bytes(smallest)}; raise the budget to at least that")
-        error.smallest_bytes = smallest
-        raise error
+        if least_peak is None:
+          # The last resort, and the least a later budget can rely on:
+          # jlms's least-memory plan, compiled.
+          least = self._fastest_fit(plain, None, times)
+          least_rewritten, least_without_copies = rewritten_of(least[0],
+                                                               least[2])
+          least_peak = self._xla_peak(jit_params, least_rewritten, abstract,
+                                      target, donated)
+          smallest = min(smallest, least_peak)
+          compiles += 1
+          log.info("jlms: XLA's peak on %s of the least-memory plan: %s",
+                   target, format_bytes(least_peak))
+          if least_peak <= budget:
+            placed, residuals, result = least
+            rewritten, measured = least_rewritten, least_peak
+            without_copies = least_without_copies
+            break
+        raise _refused(budget, target, plain_peak, least_peak, smallest,
+                       compiles)
       # The simulator was optimistic: ask it for proportionally less.
       searched = int(searched * budget / measured * 0.97)
       log.info("jlms: searching again for a predicted peak of %s",
@@ -640,7 +693,8 @@ class OffloadedStep:
         simulator_refused = True  # no smaller plan of this kind: say so
         continue
       rewritten, without_copies = rewritten_of(placed, result)
-      measured = self._xla_peak(jit_params, rewritten, abstract, target)
+      measured = self._xla_peak(jit_params, rewritten, abstract, target,
+                                donated)
       smallest = min(smallest, measured)
       compiles += 1
       log.info("jlms: XLA's peak on %s: %s (budget %s)", target,
@@ -659,7 +713,8 @@ class OffloadedStep:
           < 0.98 * result.step_time.total_s):
         candidate, candidate_without_copies = rewritten_of(faster[0],
                                                            faster[2])
-        peak = self._xla_peak(jit_params, candidate, abstract, target)
+        peak = self._xla_peak(jit_params, candidate, abstract, target,
+                              donated)
         log.info("jlms: XLA's peak on %s of a faster plan: %s", target,
                  format_bytes(peak))
         if peak <= budget:
@@ -791,8 +846,9 @@ class OffloadedStep:
              f"{len(residuals)} scan residuals streamed through host")
 
   def _as_is(self, plain, baseline, jit_params, debug_info, out_trees, budget,
-             xla) -> _Analysis:
-    """jax.jit's program, unchanged, with its plan."""
+             xla, reason=None) -> _Analysis:
+    """jax.jit's program, unchanged, with its plan (and the `reason`, when
+    a plan was made but not applied)."""
     rewritten = plain.traced  # the step's own jaxpr, as traced
     without_copies = None
     if self.config.serialize or self.config.serialize_by_size is not None:
@@ -803,7 +859,7 @@ class OffloadedStep:
         plain.program, plain.liveness, (), self.config, baseline, baseline,
         budget_bytes=budget, fitted=True,
         xla_peak_bytes=None if xla is None else xla[0],
-        xla_target=None if xla is None else xla[1],
+        xla_target=None if xla is None else xla[1], not_applied=reason,
         **self._step_times(plain))
     return _Analysis(plain.program, (), plan, out_trees[-1], rewritten,
                      jit_params, rewrite_without_copies=without_copies)
@@ -827,6 +883,24 @@ def _rewrite_twice(*args, **kwargs):
   schedule that runs)."""
   return (rewrite(*args, **kwargs),
           functools.partial(rewrite, *args, **kwargs, transfers=False))
+
+
+def _refused(budget, target, plain_peak, least_peak, smallest,
+             compiles) -> BudgetError:
+  """The error of a budget XLA finds no plan under. Its minimum is the
+  smaller of jax.jit's program's peak and jlms's least-memory plan's: a
+  budget search for that much tries both, so it fits."""
+  minimum = min(plain_peak, least_peak)
+  error = BudgetError(
+      f"jlms: the step does not fit a budget of {format_bytes(budget)} on "
+      f"{target}: XLA's peak is {format_bytes(plain_peak)} for jax.jit's "
+      f"program and {format_bytes(least_peak)} with jlms's least-memory "
+      f"plan (XLA compiled {compiles} jlms "
+      f"{'plan' if compiles == 1 else 'plans'}, the smallest peaking at "
+      f"{format_bytes(smallest)}); raise the budget to at least "
+      f"{format_bytes(minimum)}")
+  error.smallest_bytes = minimum
+  return error
 
 
 def _predicted_baseline(plain):

@@ -91,6 +91,9 @@ class Plan:
   time_target: str | None = None
   # Chosen by `jlms._fit` for a budget, rather than by TFLMS's knobs.
   fitted: bool = False
+  # Why a plan that was made runs as jax.jit's program instead (it would
+  # not lower the peak); None when it is applied or none was sought.
+  not_applied: str | None = None
 
   @functools.cached_property
   def _predicted_times(self) -> tuple[StepTime | None, StepTime | None]:
@@ -196,6 +199,9 @@ class Plan:
       verdict = ("fits without offloading" if not self.offloaded
                  else "fitted")
       lines.append(f"jlms: budget {format_bytes(self.budget_bytes)}: {verdict}")
+    if self.not_applied is not None:
+      lines.append(f"jlms: the step runs as jax.jit's program: "
+                   f"{self.not_applied}")
     if self.step_time is not None and self.baseline_step_time is not None:
       lines.append(
           f"jlms: predicted step time on {self.time_target}: jax.jit "

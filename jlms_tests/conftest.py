@@ -10,6 +10,7 @@ import functools
 
 import jax
 import numpy as np
+from hypothesis import HealthCheck, Phase, settings
 
 from benchmarks.models import TFLMS_KNOBS  # noqa: F401 (for the tests)
 
@@ -25,6 +26,29 @@ PLATFORM = jax.default_backend()
 #: an H100) wherever fusion or order differ. A wrong copy or a lost
 #: dependency gives errors of order one either way.
 F32_TOLERANCE = 1e-5 if PLATFORM == "cpu" else 1e-3
+
+#: The same for steps that compute in bfloat16 (every leaf of their
+#: outputs, float32 parameters of mixed precision too), compiled without
+#: excess precision (`xla_allow_excess_precision=False`, so that both
+#: programs round to bfloat16 where the jaxpr says): what is left is the
+#: order of a reduction XLA may change around jlms's barriers, a few
+#: bfloat16 ulps (3.9e-3 each). A wrong value differs by 1e-1 and up.
+BF16_TOLERANCE = 2e-2
+
+# Hypothesis profiles of the property tests (jlms_tests/test_properties.py):
+# "quick" (the default, CI's) draws the same steps on every run; "long"
+# draws fresh ones, 500 in all: JLMS_HYPOTHESIS_PROFILE=long python -m
+# pytest jlms_tests/test_properties.py. Compiles take seconds: no deadline.
+# Hypothesis's explain phase reruns a shrunk failure many times (minutes).
+_COMMON = dict(deadline=None, database=None, print_blob=True,
+               phases=[Phase.explicit, Phase.reuse, Phase.generate,
+                       Phase.shrink],
+               suppress_health_check=[HealthCheck.too_slow,
+                                      HealthCheck.data_too_large])
+settings.register_profile("quick", derandomize=True, **_COMMON)
+settings.register_profile("long", derandomize=False, **_COMMON)
+HYPOTHESIS_PROFILE = os.environ.get("JLMS_HYPOTHESIS_PROFILE", "quick")
+settings.load_profile(HYPOTHESIS_PROFILE)
 
 
 @functools.cache

@@ -1,0 +1,328 @@
+"""Property-based differential tests: jlms against `jax.jit` on train steps
+drawn at random (`jlms_tests._step_strategies`), with random knobs and
+budgets. Four properties:
+
+(a) the outputs equal `jax.jit`'s on CPU, within a tolerance by dtype, over
+    three steps, each fed the last one's outputs;
+(b) with default arguments (`target="h100"`), and with `budget="min"`,
+    XLA's H100 peak (deviceless) of the step that runs is at most
+    `jax.jit`'s; with TFLMS's knobs, how far above it goes is recorded
+    (`hypothesis.target`; see `--hypothesis-show-statistics`);
+(c) a budget either fits (XLA's H100 peak at or under it) or raises
+    `jlms.BudgetError` whose stated minimum is above the budget, and a
+    budget at that minimum fits;
+(d) nothing fails except with a jlms error that names the cause: every
+    property lets only `jlms.BudgetError` through (`_jlms_outcome`), and one
+    draws every option jlms has.
+
+Profiles (`JLMS_HYPOTHESIS_PROFILE`, registered in conftest): "quick", the
+default and CI's, draws `EXAMPLES["quick"]` steps, the same ones on every
+run, with the steps whose H100 compile is slow (convolution, attention)
+left to the CPU property; "long" draws `EXAMPLES["long"]` (500 in all),
+fresh ones each run, of every family in every property. Each failure a
+long run finds, shrunk, becomes a regression test in `test_regressions.py`.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import event, given, note, settings
+from hypothesis import strategies as st
+from hypothesis import target as hypothesis_target
+
+import jlms
+from jlms_tests import _step_strategies as steps
+from jlms_tests.conftest import (BF16_TOLERANCE, F32_TOLERANCE,
+                                 HYPOTHESIS_PROFILE, fast_compile_options,
+                                 max_relative_error)
+
+TARGET = "h100"
+
+#: Draws per property and profile; at least 50 in all in the quick one.
+EXAMPLES = {
+    "quick": dict(outputs=22, peak=4, budget=4, anything=20),
+    "long": dict(outputs=200, peak=110, budget=110, anything=80),
+}[HYPOTHESIS_PROFILE]
+
+#: Layers of a drawn step, at most: compile time grows with them.
+MAX_DEPTH = 2 if HYPOTHESIS_PROFILE == "quick" else 3
+
+#: Families whose deviceless H100 compiles take about half a second; a
+#: convolution or attention step takes 2 to 12 (XLA compiles each of its
+#: many small kernels), so the quick profile checks those on CPU only.
+H100_FAMILIES = (("mlp", "nnx") if HYPOTHESIS_PROFILE == "quick"
+                 else steps.FAMILIES)
+#: Families of (d)'s draws: in the quick profile, those that compile for
+#: the CPU in half a second (attention takes one or two; (a) draws it).
+ANY_OPTIONS_FAMILIES = (("mlp", "conv", "nnx")
+                        if HYPOTHESIS_PROFILE == "quick" else steps.FAMILIES)
+
+
+# -- drawing options ---------------------------------------------------------
+
+def tflms_knobs():
+  """TFLMS's knobs: `min_bytes` always (so that the rules apply as given),
+  the others sometimes; small values, so that tiny steps offload."""
+  return st.fixed_dictionaries(
+      {"min_bytes": st.sampled_from((1, 64, 512, 1, 64, 4096))},
+      optional={"swapout_threshold": st.integers(0, 30),
+                "prefetch_ahead": st.integers(0, 4),
+                "swapin_groupby": st.none() | st.integers(0, 8),
+                "sync_mode": st.integers(0, 3),
+                "scan_residuals": st.booleans()})
+
+
+#: Options that make jlms rewrite a tiny step on CPU: TFLMS's knobs, the
+#: least memory jlms reaches, or a budget between that and jax.jit's
+#: predicted peak (the simulator alone decides: there is no GPU and no
+#: target).
+forcing_options = st.one_of(
+    tflms_knobs(),
+    st.sampled_from(({"budget": "min"}, {"budget": "min", "min_bytes": 1})),
+    st.builds(lambda share, min_bytes: {"budget_share": share,
+                                        "min_bytes": min_bytes},
+              st.floats(0.0, 1.0), st.sampled_from((1, 4096))))
+
+
+# -- running -----------------------------------------------------------------
+
+def _jlms_outcome(call):
+  """`call()`, or the `jlms.BudgetError` it raises: anything else fails the
+  property (d), as does an error that does not say it is jlms's."""
+  try:
+    return call()
+  except jlms.BudgetError as error:
+    assert str(error).startswith("jlms: "), str(error)
+    assert "budget" in str(error), str(error)
+    return error
+
+
+def _snapshot(tree):
+  """Host copies of `tree`'s leaves (a donated output is gone once the next
+  step has run); PRNG keys as their key data."""
+  def copy(leaf):
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      leaf = jax.random.key_data(leaf)
+    return np.array(leaf, copy=True)  # np.asarray may view the buffer
+  return jax.tree.map(copy, tree)
+
+
+def _dynamic(drawn, args, kwargs):
+  """The arguments a compiled step takes: all but the static ones."""
+  static = drawn.jit_options.get("static_argnums", ())
+  static = {static} if isinstance(static, int) else set(static)
+  names = drawn.jit_options.get("static_argnames", ())
+  names = {names} if isinstance(names, str) else set(names)
+  return ([a for i, a in enumerate(args) if i not in static],
+          {k: v for k, v in kwargs.items() if k not in names})
+
+
+def _run_on_cpu(drawn, stepper, steps_run=3):
+  """The outputs of `steps_run` steps of `stepper` (a jitted or offloaded
+  `drawn.fn`), each fed the last one's state, as host copies."""
+  args, kwargs = drawn.make_args()
+  compiled = stepper.lower(*args, **kwargs).compile(_CPU_COMPILE_OPTIONS)
+  outputs = []
+  for _ in range(steps_run):
+    out = compiled(*_dynamic(drawn, args, kwargs)[0],
+                   **_dynamic(drawn, args, kwargs)[1])
+    outputs.append(_snapshot(out))
+    args = drawn.next_args(args, out)
+  return outputs
+
+
+#: Fast CPU compiles, which round to bfloat16 wherever the program says:
+#: with excess precision allowed (XLA's default), XLA drops a value's
+#: rounding to bfloat16 where its producer and reader meet in one fusion,
+#: and jlms's copies and barriers decide where they meet; without it, jlms's
+#: program computes jax.jit's values exactly in any precision.
+_CPU_COMPILE_OPTIONS = {**fast_compile_options(),
+                        "xla_allow_excess_precision": False}
+
+_JIT_OUTPUTS: dict = {}
+_JIT_PEAKS: dict = {}
+
+
+def _jit_outputs(drawn):
+  if drawn.spec not in _JIT_OUTPUTS:
+    _JIT_OUTPUTS[drawn.spec] = _run_on_cpu(drawn, drawn.jitted())
+  return _JIT_OUTPUTS[drawn.spec]
+
+
+def _h100_peak(stepper, drawn) -> int:
+  args, kwargs = drawn.abstract_args()
+  return jlms.xla_memory(stepper, *args, target=TARGET, **kwargs).peak_bytes
+
+
+def _jit_peak(drawn) -> int:
+  """XLA's H100 peak of `jax.jit`'s program, with the step's donation."""
+  if drawn.spec not in _JIT_PEAKS:
+    _JIT_PEAKS[drawn.spec] = _h100_peak(drawn.jitted(), drawn)
+  return _JIT_PEAKS[drawn.spec]
+
+
+def _tolerance(drawn) -> float:
+  return F32_TOLERANCE if drawn.spec.precision == "float32" else BF16_TOLERANCE
+
+
+def _describe(plan) -> str:
+  if not plan.offloaded:
+    return "nothing moved"
+  if all(v.recomputed for v in plan.offloaded):
+    return "recomputed only"
+  return "copied to host"
+
+
+# -- (a) outputs -------------------------------------------------------------
+
+@settings(max_examples=EXAMPLES["outputs"])
+@given(spec=steps.step_specs(max_depth=MAX_DEPTH), options=forcing_options)
+def test_outputs_equal_jax_jits_over_three_steps(spec, options):
+  drawn = steps.build(spec)
+  note(f"step: {spec}; options: {options}")
+  options = dict(options)
+  if "budget_share" in options:
+    args, kwargs = drawn.abstract_args()
+    # A share of the way from the least predicted peak to jax.jit's.
+    least = drawn.offload(budget="min", min_bytes=1).plan(*args, **kwargs)
+    share = options.pop("budget_share")
+    low, high = least.predicted_peak_bytes, least.baseline_peak_bytes
+    options["budget"] = int(low + share * (high - low))
+  stepper = drawn.offload(**options)
+  args, kwargs = drawn.abstract_args()
+  plan = _jlms_outcome(lambda: stepper.plan(*args, **kwargs))
+  if isinstance(plan, jlms.BudgetError):
+    event("budget refused")
+    assert isinstance(options["budget"], int), str(plan)
+    assert plan.smallest_bytes > options["budget"], str(plan)
+    return
+  event(_describe(plan))
+  expected = _jit_outputs(drawn)
+  actual = _run_on_cpu(drawn, stepper)
+  for i, (a, e) in enumerate(zip(actual, expected)):
+    error = max_relative_error(a, e)
+    assert error <= _tolerance(drawn), (
+        f"step {i + 1}: relative error {error:.2e}\n{plan}")
+
+
+# -- (b) H100 peak against jax.jit's -----------------------------------------
+
+@settings(max_examples=EXAMPLES["peak"])
+@given(spec=steps.step_specs(H100_FAMILIES, MAX_DEPTH),
+       options=st.sampled_from(({}, {"budget": "min"},
+                                {"budget": "min", "min_bytes": 1}))
+       | tflms_knobs())
+def test_h100_peak_is_at_most_jax_jits(spec, options):
+  drawn = steps.build(spec)
+  note(f"step: {spec}; options: {options}")
+  knobs = "min_bytes" in options
+  target = {} if knobs else {"target": TARGET}
+  stepper = drawn.offload(**options, **target)
+  args, kwargs = drawn.abstract_args()
+  plan = stepper.plan(*args, **kwargs)
+  # The plan's own XLA report, of the program that runs with the step's
+  # donation; the long profile compiles that program itself too.
+  peak = plan.xla_peak_bytes
+  if peak is None or HYPOTHESIS_PROFILE == "long":
+    peak = _h100_peak(stepper, drawn)
+  jit_peak = _jit_peak(drawn)
+  ratio = peak / jit_peak
+  note(f"XLA's H100 peak {peak} bytes, jax.jit's {jit_peak} ({ratio:.3f}x)"
+       f"\n{plan}")
+  if knobs:
+    # An expert's knobs apply as given, however they fare: recorded.
+    hypothesis_target(ratio, label="H100 peak / jax.jit's, TFLMS knobs")
+    event(f"knobs: peak {'above' if ratio > 1 else 'at most'} jax.jit's")
+    return
+  event(f"budget {options.get('budget', 'device')}: {_describe(plan)}")
+  assert peak <= jit_peak, plan
+
+
+# -- (c) budgets --------------------------------------------------------------
+
+def _fitted_peak(drawn, budget, **options):
+  """(XLA's H100 peak of the plan for `budget`, the plan), or the
+  `BudgetError`."""
+  args, kwargs = drawn.abstract_args()
+  stepper = drawn.offload(budget=budget, target=TARGET, **options)
+  plan = _jlms_outcome(lambda: stepper.plan(*args, **kwargs))
+  if isinstance(plan, jlms.BudgetError):
+    return plan
+  return plan.xla_peak_bytes, plan
+
+
+@settings(max_examples=EXAMPLES["budget"])
+@given(spec=steps.step_specs(H100_FAMILIES, MAX_DEPTH),
+       share=st.floats(0.05, 1.5),
+       options=st.sampled_from(({}, {"min_bytes": 1})))
+def test_a_budget_fits_or_names_a_minimum_above_it_that_fits(spec, share,
+                                                              options):
+  drawn = steps.build(spec)
+  args, kwargs = drawn.abstract_args()
+  # A share of the predicted peak of jax.jit's program (no compile).
+  predicted = drawn.offload(budget="min").plan(*args, **kwargs)
+  budget = max(1, int(share * predicted.baseline_peak_bytes))
+  note(f"step: {spec}; budget {budget} bytes ({share:.2f} of jax.jit's "
+       f"predicted peak); {options}")
+  fitted = _fitted_peak(drawn, budget, **options)
+  if isinstance(fitted, jlms.BudgetError):
+    error = fitted
+    event("refused")
+    assert error.smallest_bytes is not None, str(error)
+    assert error.smallest_bytes > budget, str(error)
+    budget = error.smallest_bytes
+    fitted = _fitted_peak(drawn, budget, **options)
+    assert not isinstance(fitted, jlms.BudgetError), (
+        f"the stated minimum {budget} does not fit: {fitted}")
+  else:
+    event("fitted")
+  peak, plan = fitted
+  assert peak is not None and peak <= budget, plan
+
+
+# -- (d) anything jlms takes --------------------------------------------------
+
+any_options = st.fixed_dictionaries({
+    # A knob and a budget always: jlms's default with no target is jax.jit.
+    "min_bytes": st.sampled_from((1, 64, 4096)),
+    "budget": st.sampled_from((None, "min", "device", "50%", "1KiB", 1 << 20,
+                               1 << 14)),
+}, optional={
+    "swapout_threshold": st.integers(0, 30),
+    "prefetch_ahead": st.integers(0, 4),
+    "swapin_groupby": st.none() | st.integers(0, 8),
+    "sync_mode": st.integers(0, 3),
+    "scan_residuals": st.booleans(),
+    "serialize_by_size": st.none() | st.sampled_from((1, 1024)),
+    "host_budget": st.sampled_from((1, "1KiB", "1GiB")),
+    # Rarely: a target costs XLA compiles, which (b) and (c) check.
+    "target": st.sampled_from((None, None, None, TARGET)),
+})
+
+
+@settings(max_examples=EXAMPLES["anything"])
+@given(spec=steps.step_specs(ANY_OPTIONS_FAMILIES, MAX_DEPTH),
+       options=any_options)
+def test_any_options_run_as_jax_jit_or_fail_with_a_jlms_error(spec, options):
+  drawn = steps.build(spec)
+  note(f"step: {spec}; options: {options}")
+  if spec.family not in H100_FAMILIES:
+    options.pop("target", None)
+  percentage = str(options.get("budget", "")).endswith("%")
+  if percentage and spec.family in H100_FAMILIES:
+    options["target"] = TARGET
+  elif percentage:  # a percentage of no device is bad input, said so
+    options["budget"] = "min"
+  stepper = drawn.offload(**options)
+  args, kwargs = drawn.abstract_args()
+  plan = _jlms_outcome(lambda: stepper.plan(*args, **kwargs))
+  if isinstance(plan, jlms.BudgetError):
+    event("budget refused")
+    return
+  event(_describe(plan))
+  actual = _run_on_cpu(drawn, stepper, steps_run=1)
+  error = max_relative_error(actual[0], _jit_outputs(drawn)[0])
+  assert error <= _tolerance(drawn), f"relative error {error:.2e}\n{plan}"
