@@ -4,7 +4,9 @@ and the abstract signature a plan is cached under.
 Guarantees: `static_argnums` and `static_argnames` (and the donated pair)
 name the same parameters whichever way a caller passes them, each completed
 from the other through the step's signature as `jax.jit` does; a leaf that
-is neither an array nor static is refused with its path and what to do.
+is neither an array nor static is refused with its path and what to do; a
+call's fresh arrays can be committed where they are, without a copy, so
+that a train loop compiles its step once.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import jax
 from jlms import _compat
 
 
-def as_tuple(x) -> tuple:
+def _as_tuple(x) -> tuple:
   if x is None:
     return ()
   if isinstance(x, (int, str)):
@@ -32,7 +34,7 @@ def complete_argnums(fun: Callable, argnums, argnames
   rule, where a side left empty is filled from the other through the
   signature (positional-or-keyword parameters only) and two given sides are
   taken as they are."""
-  argnums, argnames = as_tuple(argnums), as_tuple(argnames)
+  argnums, argnames = _as_tuple(argnums), _as_tuple(argnames)
   if bool(argnums) == bool(argnames):
     return argnums, argnames
   try:

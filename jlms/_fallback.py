@@ -5,9 +5,11 @@ compiling or checking the rewritten program) never stops a step, except
 where the user asked it to (`strict=True`) or where `jax.jit`'s program
 would break a promise (a budget it does not meet); then `OffloadError` is
 raised from the failure. Otherwise the step runs as `jax.jit`'s program and
-one `FallbackWarning` per argument signature names the failure. The user's
-own errors (a step that `jax.jit` cannot trace or run either) are never
-jlms's failures: they propagate unchanged.
+one `FallbackWarning` per argument signature names the failure. What is the
+user's to act on is never jlms's failure and propagates unchanged: a step
+that `jax.jit` cannot trace or run either, a budget that cannot be met
+(`BudgetError`), a GPU target this machine cannot compile for
+(`DevicelessUnavailableError`).
 """
 
 from __future__ import annotations

@@ -55,9 +55,14 @@ from jlms._tradeoff import Tradeoff, TradeoffPoint
 from jlms._placement import place_fused_at_readers
 from jlms._schedule import predict_step_time
 from jlms._verify import compare_memory_of_call
-from jlms._xla_memory import KNOWN_TARGETS, target_memory_bytes, xla_memory
+from jlms._xla_memory import (KNOWN_TARGETS, DevicelessUnavailableError,
+                              target_memory_bytes, xla_memory)
 
 _CACHE_SIZE = 32
+# Failures that are the user's to act on, never hidden by running jax.jit's
+# program instead: a budget that cannot be met, a GPU target this machine
+# cannot compile for (the error says what to install).
+_NOT_FALLEN_BACK_FROM = (BudgetError, DevicelessUnavailableError)
 
 # What `budget` can be besides bytes or a size: TFLMS's knobs apply as given
 # (`KNOBS`, when knobs are passed and no budget), fit the memory of the
@@ -225,7 +230,7 @@ class OffloadedStep:
     is not jlms's: the step's own (tracing it failed, or its program is
     jax.jit's), a decision already made (`OffloadError`, `BudgetError`),
     inside an outer trace, or after donated arguments were consumed."""
-    if isinstance(error, (OffloadError, BudgetError)):
+    if isinstance(error, (OffloadError, *_NOT_FALLEN_BACK_FROM)):
       return None
     leaves = jax.tree.leaves((args, kwargs))
     if any(isinstance(x, jax.core.Tracer) or (
@@ -376,7 +381,7 @@ class OffloadedStep:
     try:
       analysis = self._planned(closed, leaves, out_trees,
                                self._donated_leaves(args, kwargs))
-    except BudgetError:
+    except _NOT_FALLEN_BACK_FROM:
       raise
     except Exception as error:  # jlms's failure, not the step's
       analysis = self._planning_failed(error)
@@ -571,7 +576,7 @@ class OffloadedStep:
       analysis = self._search_budget(plain, baseline, jit_params, debug_info,
                                      leaves, out_trees, target, budget,
                                      avals, abstract, plain_peak, donated)
-    except BudgetError:
+    except _NOT_FALLEN_BACK_FROM:
       raise
     except Exception as error:
       if budget is None:

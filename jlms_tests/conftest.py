@@ -22,18 +22,25 @@ from hypothesis import HealthCheck, Phase, settings
 
 from benchmarks.models import TFLMS_KNOBS  # noqa: F401 (for the tests)
 
-#: The platform the tests run on: "cpu" unless JAX_PLATFORMS names a GPU.
-PLATFORM = jax.default_backend()
-
-#: Normwise relative error allowed between jlms's and jax.jit's float32
-#: outputs. The two programs are compiled separately and XLA may order a
-#: reduction differently around jlms's barriers: on JAX 0.12's CPU backend a
-#: BatchNorm bias gradient of 1e-4 differs by 1e-6 relative, which Adam's
-#: second moment doubles. On a GPU, float32 matmuls and convolutions run in
-#: TF32 (10 mantissa bits), which differ by about 2e-4 relative (measured on
-#: an H100) wherever fusion or order differ. A wrong copy or a lost
-#: dependency gives errors of order one either way.
-F32_TOLERANCE = 1e-5 if PLATFORM == "cpu" else 1e-3
+def __getattr__(name: str):
+  """`PLATFORM` and `F32_TOLERANCE`, worked out when a test module first
+  imports them: asking jax for its platform starts a backend, which a
+  worker process that imports the helpers here must not do before
+  `jax.distributed.initialize`."""
+  if name == "PLATFORM":
+    # The platform the tests run on: "cpu" unless JAX_PLATFORMS names a GPU.
+    return jax.default_backend()
+  if name == "F32_TOLERANCE":
+    # Normwise relative error allowed between jlms's and jax.jit's float32
+    # outputs. The two programs are compiled separately and XLA may order a
+    # reduction differently around jlms's barriers: on JAX 0.12's CPU
+    # backend a BatchNorm bias gradient of 1e-4 differs by 1e-6 relative,
+    # which Adam's second moment doubles. On a GPU, float32 matmuls and
+    # convolutions run in TF32 (10 mantissa bits), which differ by about
+    # 2e-4 relative (measured on an H100) wherever fusion or order differ. A
+    # wrong copy or a lost dependency gives errors of order one either way.
+    return 1e-5 if jax.default_backend() == "cpu" else 1e-3
+  raise AttributeError(name)
 
 #: The same for steps that compute in bfloat16 (every leaf of their
 #: outputs, float32 parameters of mixed precision too), compiled without
@@ -66,7 +73,7 @@ def fast_compile_options() -> dict:
   has them); the HLO passes, where host copies and barriers could be lost
   or reordered, run as always. On any other platform none: these options
   are the CPU backend's, and a GPU compile refuses them."""
-  if PLATFORM != "cpu":
+  if jax.default_backend() != "cpu":
     return {}
   options = {"xla_backend_optimization_level": 0}
   older_emitters = {**options, "xla_cpu_use_fusion_emitters": False}

@@ -99,6 +99,18 @@ def test_a_failed_rewrite_raises_where_the_budget_needs_the_plan(monkeypatch):
   assert "injected rewrite failure" in str(info.value.__cause__)
 
 
+def test_a_target_this_machine_cannot_compile_for_is_not_fallen_back_from(
+    monkeypatch):
+  def no_toolchain(*args, **kwargs):
+    raise jlms.DevicelessUnavailableError("Compiling for 'h100' needs ptxas")
+
+  monkeypatch.setattr(_offload, "xla_memory", no_toolchain)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no FallbackWarning
+    with pytest.raises(jlms.DevicelessUnavailableError, match="ptxas"):
+      jlms.offload(_step, target="h100")(*_args())
+
+
 def test_a_program_xla_cannot_compile_runs_jax_jit_with_one_warning(
     monkeypatch):
   monkeypatch.setattr(_offload, "rewrite",
