@@ -4,12 +4,19 @@ Every number here is XLA's own `memory_analysis()` of the compiled program,
 never jlms's simulator.
 """
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 
 import jlms
 from jlms_tests.conftest import TFLMS_KNOBS
 from benchmarks import models
-from benchmarks.memory_table import trace_cost
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _memory(step, case):
@@ -55,10 +62,17 @@ def test_resnet_peak_is_at_most_a_third_of_jit():
 
 @pytest.mark.slow
 def test_tracing_and_planning_cost_a_small_multiple_of_make_jaxpr():
-  # Measured 1.5-1.6x on an idle 2-core machine with budget="min" (trace,
-  # analyses, fused equations placed, every loop variant fitted); the bound
-  # is generous because other work on the machine skews a timing.
-  cost = trace_cost(repeats=3)
+  # Measured 1.5x in a fresh process (trace, analyses, fused equations
+  # placed, every loop variant fitted, budget="min"). Timed in a process of
+  # its own, best of 5 pairs: at the end of a test session, whose process
+  # holds much, the same code measured 2.54x once.
+  result = subprocess.run(
+      [sys.executable, "-c", "import json; from benchmarks.memory_table "
+       "import trace_cost; print(json.dumps(trace_cost(repeats=5)))"],
+      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+      capture_output=True, text=True, timeout=900, check=False)
+  assert result.returncode == 0, result.stderr[-4000:]
+  cost = json.loads(result.stdout.strip().splitlines()[-1])
   assert cost["equations"] >= 15_000
   assert cost["ratio"] <= 2.5, cost
 
