@@ -23,12 +23,8 @@ fresh ones each run, of every family in every property. Each failure a
 long run finds, shrunk, becomes a regression test in `test_regressions.py`.
 """
 
-import math
-
 import jax
-import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 from hypothesis import target as hypothesis_target
@@ -120,6 +116,16 @@ def _dynamic(drawn, args, kwargs):
           {k: v for k, v in kwargs.items() if k not in names})
 
 
+#: Fast CPU compiles, which round to bfloat16 wherever the jaxpr says:
+#: with excess precision allowed (XLA's default), XLA drops a value's
+#: rounding to bfloat16 where its producer and reader meet in one fusion,
+#: and jlms's copies and barriers decide where they meet (a BatchNorm's
+#: gradient in bfloat16 then differs by 20%); without it, the two programs
+#: differ only in the order XLA may give a reduction.
+_CPU_COMPILE_OPTIONS = {**fast_cpu_compile_options(),
+                        "xla_allow_excess_precision": False}
+
+
 def _run_on_cpu(drawn, stepper, steps_run=3):
   """The outputs of `steps_run` steps of `stepper` (a jitted or offloaded
   `drawn.fn`), each fed the last one's state, as host copies."""
@@ -127,20 +133,12 @@ def _run_on_cpu(drawn, stepper, steps_run=3):
   compiled = stepper.lower(*args, **kwargs).compile(_CPU_COMPILE_OPTIONS)
   outputs = []
   for _ in range(steps_run):
-    out = compiled(*_dynamic(drawn, args, kwargs)[0],
-                   **_dynamic(drawn, args, kwargs)[1])
+    dynamic_args, dynamic_kwargs = _dynamic(drawn, args, kwargs)
+    out = compiled(*dynamic_args, **dynamic_kwargs)
     outputs.append(_snapshot(out))
     args = drawn.next_args(args, out)
   return outputs
 
-
-#: Fast CPU compiles, which round to bfloat16 wherever the program says:
-#: with excess precision allowed (XLA's default), XLA drops a value's
-#: rounding to bfloat16 where its producer and reader meet in one fusion,
-#: and jlms's copies and barriers decide where they meet; without it, jlms's
-#: program computes jax.jit's values exactly in any precision.
-_CPU_COMPILE_OPTIONS = {**fast_cpu_compile_options(),
-                        "xla_allow_excess_precision": False}
 
 _JIT_OUTPUTS: dict = {}
 _JIT_PEAKS: dict = {}
