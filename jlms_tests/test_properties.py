@@ -23,12 +23,8 @@ fresh ones each run, of every family in every property. Each failure a
 long run finds, shrunk, becomes a regression test in `test_regressions.py`.
 """
 
-import math
-
 import jax
-import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 from hypothesis import target as hypothesis_target
@@ -127,8 +123,8 @@ def _run_on_cpu(drawn, stepper, steps_run=3):
   compiled = stepper.lower(*args, **kwargs).compile(_CPU_COMPILE_OPTIONS)
   outputs = []
   for _ in range(steps_run):
-    out = compiled(*_dynamic(drawn, args, kwargs)[0],
-                   **_dynamic(drawn, args, kwargs)[1])
+    dynamic_args, dynamic_kwargs = _dynamic(drawn, args, kwargs)
+    out = compiled(*dynamic_args, **dynamic_kwargs)
     outputs.append(_snapshot(out))
     args = drawn.next_args(args, out)
   return outputs
