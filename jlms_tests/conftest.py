@@ -66,6 +66,18 @@ HYPOTHESIS_PROFILE = os.environ.get("JLMS_HYPOTHESIS_PROFILE", "quick")
 settings.load_profile(HYPOTHESIS_PROFILE)
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+  """Workers for `-n auto` (pyproject's default): one per core on CPU, where
+  each test compiles alone and two cores halve the wall time; none where
+  JAX_PLATFORMS names a GPU, which one process must own (each would
+  preallocate most of its memory, and the `gpu` tests measure its peak)."""
+  del config
+  platforms = os.environ.get("JAX_PLATFORMS", "cpu")
+  if any(name in platforms for name in ("cuda", "gpu", "rocm")):
+    return 0
+  return os.cpu_count() or 1
+
+
 @functools.cache
 def fast_compile_options() -> dict:
   """On CPU, compile options that cut compile time by about two thirds
