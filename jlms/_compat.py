@@ -90,6 +90,10 @@ def primitives_named(*names: str) -> tuple:
   return tuple(p for p in found if p is not None)
 
 
+#: The loop primitives (a scan, a while loop).
+LOOP_PRIMITIVES = frozenset(primitives_named("scan", "while"))
+
+
 def sub_jaxprs(eqn) -> list:
   """The open jaxprs among an equation's params (bodies, branches)."""
   found = []
@@ -256,27 +260,40 @@ def _template_equation(kind: str):
   return jax.make_jaxpr(fn)(x).jaxpr.eqns[0]
 
 
-def device_put_equation(invar, outvar, to_host: bool, anchor_eqn, name: str):
-  """A `device_put` of `invar` to pinned host (or back to device)."""
+def device_put_equation(invar, outvar, to_host: bool, anchor_eqn,
+                        scope: str):
+  """A `device_put` of `invar` to pinned host (or back to device), under
+  the name stack `scope` alone (see `scope_name_stack`)."""
   template = _template_equation("to_host" if to_host else "to_device")
-  return _copy_equation(template, [invar], [outvar], anchor_eqn, name)
+  return _copy_equation(template, [invar], [outvar], anchor_eqn, scope)
 
 
-def barrier_equation(invars, outvars, anchor_eqn, name: str):
-  """An `optimization_barrier` whose outputs are its inputs."""
+def barrier_equation(invars, outvars, anchor_eqn, scope: str):
+  """An `optimization_barrier` whose outputs are its inputs, under the name
+  stack `scope` alone."""
   return _copy_equation(_template_equation("barrier"), invars, outvars,
-                        anchor_eqn, name)
+                        anchor_eqn, scope)
 
 
-def _copy_equation(template, invars, outvars, anchor_eqn, name):
+def _copy_equation(template, invars, outvars, anchor_eqn, scope):
+  # The anchor's traceback and context (the user's line, its mesh), but a
+  # name of jlms's own: under the anchor's name stack, a transformation
+  # around it would wrap the scope ("jvp(jlms)/...").
   source_info = anchor_eqn.source_info.replace(
-      name_stack=anchor_eqn.source_info.name_stack.extend(name))
+      name_stack=scope_name_stack(scope))
   return template.replace(invars=list(invars), outvars=list(outvars),
                           source_info=source_info, ctx=anchor_eqn.ctx)
 
 
+def scope_name_stack(scope: str):
+  """A name stack of `scope` alone ("jlms/swap_out/<value>"): the op names
+  XLA gives the equations under it start with it, after the jit's own."""
+  return _source_info.new_name_stack(scope)
+
+
 def rebuilt_equation(eqn, invars, outvars, name_stack):
-  """`eqn` reading `invars` and writing `outvars`, under its full name stack."""
+  """`eqn` reading `invars` and writing `outvars`, under `name_stack` (its
+  full name stack, or `scope_name_stack`'s)."""
   return eqn.replace(invars=list(invars), outvars=list(outvars),
                      source_info=eqn.source_info.replace(name_stack=name_stack))
 
@@ -329,6 +346,16 @@ def bind_equation(eqn, args) -> list:
     raise _unsupported(f"binding a {eqn.primitive} equation with a body")
   out = eqn.primitive.bind(*args, **eqn.params)
   return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def name_stack(eqn):
+  """The name stack of `eqn` (relative to the jaxpr that holds it)."""
+  return eqn.source_info.name_stack
+
+
+def body_equations(eqn) -> list:
+  """The equations of `eqn`'s bodies (a loop's, a call's), in order."""
+  return [inner for body in sub_jaxprs(eqn) for inner in body.eqns]
 
 
 def extend_name_stack(stack, name: str):

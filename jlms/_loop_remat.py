@@ -29,6 +29,7 @@ import jax
 from jlms import _compat
 from jlms._liveness import Liveness
 from jlms._loops import find_scan_residuals
+from jlms._names import profile_scope
 from jlms._config import OffloadConfig
 from jlms._program import Const, Equation, Program
 
@@ -183,6 +184,7 @@ def _backward_remaking(backward: Equation, forward: Equation,
   remake_body, remake_consts = _compat.jaxpr_parts(_compat.pruned_jaxpr(
       f_layout.body, [fnk + index for index in wanted]))
   n_fc, n_bc, n_k = len(f_consts), len(b_consts), len(b_carry)
+  scope = profile_scope("recompute", forward.readable_name())
   n_o, n_s = len(others), len(carries)
 
   def call(*args):
@@ -195,8 +197,10 @@ def _backward_remaking(backward: Equation, forward: Equation,
 
     def iteration(carry, slices):
       own, carry_slices, f_x = slices
-      made = dict(zip(wanted, _compat.eval_jaxpr(
-          remake_body, remake_consts, *f_consts_in, *carry_slices, *f_x)))
+      # Named so that a profile shows the remaking as jlms's recomputation.
+      with jax.named_scope(scope):
+        made = dict(zip(wanted, _compat.eval_jaxpr(
+            remake_body, remake_consts, *f_consts_in, *carry_slices, *f_x)))
       own_iter = iter(own)
       xs = [made[index] if kind == "remade" else next(own_iter)
             for kind, index in sources]

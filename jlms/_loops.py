@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jlms import _compat
 from jlms._config import OffloadConfig
 from jlms._liveness import Liveness
+from jlms._names import profile_scope
 from jlms._program import Equation, Program
 
 
@@ -116,20 +117,27 @@ def offload_scan_residuals(program: Program,
   producers = {r.producer for r in residuals}
   readers = {i for r in residuals for i in r.readers}
   equations = list(program.equations)
+  # The copies are emitted under "jlms/swap_out/<stack>" and
+  # "jlms/swap_in/<stack>", the stack named as the plan names it.
+  names = {r.value: equations[r.producer].readable_name() for r in residuals}
   for index in sorted(producers | readers):
     equation = equations[index]
     eqn = equation.eqn
     if index in producers:
       positions = [p for p in _stacked_outputs(equation)
                    if equation.outputs[p] in on_host]
-      eqn = _with_host_outputs(eqn, positions)
+      eqn = _with_host_outputs(eqn, positions, [
+          profile_scope("swap_out", names[equation.outputs[p]])
+          for p in positions])
     if index in readers:
       positions = [p for p in _scanned_inputs(equation)
                    if equation.inputs[p] in on_host]
+      scopes = [profile_scope("swap_in", names[equation.inputs[p]])
+                for p in positions]
       if prefetch:
-        eqn = _prefetching_reader(eqn, positions)
+        eqn = _prefetching_reader(eqn, positions, scopes)
       else:
-        eqn = _with_host_inputs(eqn, positions)
+        eqn = _with_host_inputs(eqn, positions, scopes)
     equations[index] = dataclasses.replace(equation, eqn=eqn)
   return dataclasses.replace(program, equations=tuple(equations),
                              avals=tuple(avals))
@@ -139,18 +147,18 @@ def _host(aval):
   return _compat.memory_space_aval(aval, jax.memory.Space.Host)
 
 
-def _with_host_outputs(eqn, positions: list[int]):
+def _with_host_outputs(eqn, positions: list[int], scopes: list[str]):
   """The scan `eqn` whose body copies its stacked outputs at `positions`
-  to host as each iteration makes them."""
+  to host as each iteration makes them, each under its scope."""
   body = _compat.scan_layout(eqn).body
   jaxpr = body.jaxpr
   eqns = list(jaxpr.eqns)
   outvars = list(jaxpr.outvars)
-  for position in positions:
+  for position, scope in zip(positions, scopes):
     slice_var = outvars[position]  # a var or a literal: both copy alike
     host_var = _compat.new_var(_host(slice_var.aval))
     eqns.append(_compat.device_put_equation(
-        slice_var, host_var, True, eqn, "jlms_scan_swap_out"))
+        slice_var, host_var, True, eqn, scope))
     outvars[position] = host_var
   new_body = _compat.closed_jaxpr(jaxpr.constvars, body.consts,
                                   jaxpr.invars, outvars, eqns,
@@ -164,19 +172,20 @@ def _with_host_outputs(eqn, positions: list[int]):
   return _compat.with_scan_body(eqn, new_body, outvars=new_outvars)
 
 
-def _with_host_inputs(eqn, positions: list[int]):
+def _with_host_inputs(eqn, positions: list[int], scopes: list[str]):
   """The scan `eqn` whose scanned inputs at `positions` are host stacks:
-  its body copies each iteration's slice to the device first."""
+  its body copies each iteration's slice to the device first, each under
+  its scope."""
   body = _compat.scan_layout(eqn).body
   jaxpr = body.jaxpr
   invars = list(jaxpr.invars)
   copies = []
-  for position in positions:
+  for position, scope in zip(positions, scopes):
     device_var = invars[position]
     host_var = _compat.new_var(_host(device_var.aval))
     invars[position] = host_var
     copies.append(_compat.device_put_equation(
-        host_var, device_var, False, eqn, "jlms_scan_swap_in"))
+        host_var, device_var, False, eqn, scope))
   new_body = _compat.closed_jaxpr(jaxpr.constvars, body.consts, invars,
                                   jaxpr.outvars, copies + list(jaxpr.eqns),
                                   jaxpr.debug_info)
@@ -186,11 +195,12 @@ def _with_host_inputs(eqn, positions: list[int]):
   return _compat.with_scan_body(eqn, new_body, invars=new_invars)
 
 
-def _prefetching_reader(eqn, positions: list[int]):
+def _prefetching_reader(eqn, positions: list[int], scopes: list[str]):
   """The scan `eqn`, whose scanned inputs at `positions` become host
   stacks, as a call of a new scan that fetches those slices one iteration
   ahead: the slices for iteration `i + 1` are copied to the device while
-  iteration `i` computes, carried into the next iteration.
+  iteration `i` computes, carried into the next iteration; each stack's
+  fetch runs under its scope.
 
   The call's body is traced from Python (public `jax.lax.scan`,
   `dynamic_index_in_dim`, `device_put`) rather than assembled by hand; the
@@ -208,9 +218,13 @@ def _prefetching_reader(eqn, positions: list[int]):
   def fetch(stacks, iteration):
     index = length - 1 - iteration if reverse else iteration
     index = jnp.clip(index, 0, length - 1)
-    return [jax.device_put(
-        jax.lax.dynamic_index_in_dim(stack, index, keepdims=False),
-        jax.memory.Space.Device) for stack in stacks]
+    fetched = []
+    for stack, scope in zip(stacks, scopes):
+      with jax.named_scope(scope):
+        fetched.append(jax.device_put(
+            jax.lax.dynamic_index_in_dim(stack, index, keepdims=False),
+            jax.memory.Space.Device))
+    return fetched
 
   def call(*args):
     args = list(args)

@@ -160,7 +160,8 @@ class OffloadedStep:
         static_argnums=self._static_argnums,
         static_argnames=self._static_argnames,
         donate_argnums=donate_argnums, donate_argnames=donate_argnames)
-    self._jitted = jax.jit(self._rewritten, **self.jit_options)
+    self._jitted = jax.jit(_named_like(self._rewritten, fun),
+                           **self.jit_options)
     # jax.jit's own program, for signatures whose program jlms failed to
     # compile (jax.jit keeps the trace of `_rewritten` that failed).
     self._plain_jitted = jax.jit(fun, **self.jit_options)
@@ -880,6 +881,19 @@ class OffloadedStep:
         self._analyses[self._signature(args, kwargs)] = (
             self._planning_failed(error, analysis.needs_plan))
     return self._fun(*args, **kwargs)  # jax.jit's program, in this trace
+
+
+def _named_like(method, fun):
+  """`method` under `fun`'s name, so that XLA's module is "jit_<step>" and
+  its op names "jit(<step>)/..." as with `jax.jit(fun)`: a profile names
+  the step. Only the name: jax.jit must still see `method`'s
+  (*args, **kwargs) signature, not `fun`'s (no `__wrapped__`)."""
+  def staged(*args, **kwargs):
+    return method(*args, **kwargs)
+  name = getattr(fun, "__name__", None)
+  if isinstance(name, str) and name.isidentifier():
+    staged.__name__ = staged.__qualname__ = name
+  return staged
 
 
 def _rewrite_twice(*args, **kwargs):

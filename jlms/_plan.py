@@ -17,12 +17,25 @@ from jlms import _compat
 from jlms._config import OffloadConfig
 from jlms._liveness import Liveness, aval_nbytes, largest_equation
 from jlms._loops import ScanResidual
+from jlms._names import elide
 from jlms._planner import Offload
 from jlms._program import Program
 from jlms._schedule import StepTime
 from jlms._simulator import MemoryTimeline
 from jlms._units import format_bytes
 
+
+
+#: How many of the offloaded values a plan lists, largest first.
+LISTED = 20
+#: The widest a value's name is shown in `str(plan)`'s table; longer names
+#: are elided in the middle, at '/'s (`jlms._names.elide`).
+NAME_WIDTH = 64
+
+
+def shape_text(dtype, shape) -> str:
+  """'float32[8, 256, 256, 64]': how the plan and the report show a shape."""
+  return f"{np.dtype(dtype).name}{list(shape)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +61,17 @@ class OffloadedValue:
   # Made again before its far reads instead of copied (`prefetched_before`
   # are then where it is remade); nothing of it goes to host.
   recomputed: bool = False
+
+  @property
+  def marked_name(self) -> str:
+    """The name as the plan lists it: '*' before a streamed scan residual,
+    '+' before a recomputed value."""
+    return ("*" if self.streamed else "+" if self.recomputed else "") + (
+        self.name)
+
+  @property
+  def shape_text(self) -> str:
+    return shape_text(self.dtype, self.shape)
 
   @property
   def swap_ins(self) -> int:
@@ -144,6 +168,11 @@ class Plan:
   def host_traffic_bytes(self) -> int:
     return self.offloaded_bytes + self.prefetched_bytes
 
+  def largest_offloaded(self) -> tuple[OffloadedValue, ...]:
+    """The values that `str(plan)` and the HTML report list: the
+    `LISTED` largest, largest first."""
+    return tuple(sorted(self.offloaded, key=lambda v: -v.nbytes)[:LISTED])
+
   def plot(self, ax=None, *, show_budget: bool = True):
     """Device memory over one step with and without offloading, the budget
     line and the swaps (matplotlib); returns the Axes."""
@@ -210,17 +239,9 @@ class Plan:
     if self.xla_peak_bytes is not None:
       lines.append(f"jlms: XLA's peak on {self.xla_target}: "
                    f"{format_bytes(self.xla_peak_bytes)}")
-    shown = sorted(self.offloaded, key=lambda v: -v.nbytes)[:20]
+    shown = self.largest_offloaded()
     if shown:
-      lines.append(f"  {'value':<48} {'shape':<22} {'size':>11} "
-                   f"{'made':>6} {'out':>6} {'in before':>14}")
-      for v in shown:
-        shape = f"{np.dtype(v.dtype).name}{list(v.shape)}"
-        ins = ",".join(str(i) for i in v.prefetched_before)
-        name = ("*" if v.streamed else "+" if v.recomputed else "") + v.name
-        lines.append(f"  {name[-48:]:<48} {shape[:22]:<22} "
-                     f"{format_bytes(v.nbytes):>11} {v.produced_at:>6} "
-                     f"{v.swapped_out_after:>6} {ins[:14]:>14}")
+      lines.extend(_value_table(shown))
       if len(self.offloaded) > len(shown):
         lines.append(f"  ... and {len(self.offloaded) - len(shown)} smaller")
     return "\n".join(lines)
@@ -285,10 +306,42 @@ def build_plan(program: Program, liveness: Liveness,
   )
 
 
+def _value_table(values) -> list[str]:
+  """The rows of `str(plan)` for `values`, with a header. Nothing is cut:
+  shapes and equation lists set their columns' widths, and a name wider
+  than `NAME_WIDTH` is elided in the middle at '/'s; one that still does
+  not fit (a single long part) takes a line of its own, the row's other
+  columns on the next."""
+  rows = [(v.marked_name, v.shape_text, format_bytes(v.nbytes),
+           str(v.produced_at), str(v.swapped_out_after),
+           ",".join(str(i) for i in v.prefetched_before)) for v in values]
+  header = ("value", "shape", "size", "made", "out", "in before")
+  name_width = max(len(header[0]), min(NAME_WIDTH,
+                                       max(len(r[0]) for r in rows)))
+  widths = [max(len(header[i]), *(len(r[i]) for r in rows))
+            for i in range(1, len(header))]
+
+  def line(name, cells) -> str:
+    shape, *numbers = cells
+    return "  " + " ".join([f"{name:<{name_width}}",
+                            f"{shape:<{widths[0]}}",
+                            *(f"{n:>{w}}" for n, w in zip(numbers,
+                                                          widths[1:]))])
+
+  lines = [line(header[0], header[1:]).rstrip()]
+  for name, *cells in rows:
+    shown = elide(name, name_width)
+    if len(shown) > name_width:
+      lines.append(f"  {shown}")
+      shown = ""
+    lines.append(line(shown, cells))
+  return lines
+
+
 def _value_name(program: Program, liveness: Liveness, value: int) -> str:
   made_by = liveness.producer[value]
   aval = program.avals[value]
-  shape = f"{np.dtype(aval.dtype).name}{list(aval.shape)}"
+  shape = shape_text(aval.dtype, aval.shape)
   if made_by < 0:
     return f"argument {program.invars.index(value)} {shape}"
   return f"{program.equations[made_by].readable_name()} {shape}"

@@ -3,7 +3,8 @@
 `flatten` turns a closed jaxpr into a `Program`: nested `jax.jit`,
 `closed_call`, `custom_jvp`/`custom_vjp` and `jax.checkpoint` bodies are
 inlined (their equations become top-level ones, with the caller's name stack
-in front of theirs; a differentiated checkpoint's inputs first go through the
+in front of theirs, and the call's name too unless it is the whole step,
+like the jit that stages it; a differentiated checkpoint's inputs first go through the
 optimization barrier its own lowering would emit, so XLA still cannot merge
 the recomputation into the forward pass), every value gets an integer id,
 and literals and constants become `Const` atoms. Loops and branches (scan,
@@ -21,6 +22,7 @@ import dataclasses
 from typing import Any, Union
 
 from jlms import _compat
+from jlms._names import common_scope, readable_name
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -46,9 +48,37 @@ class Equation:
     return self.eqn.primitive
 
   def readable_name(self) -> str:
-    stack = str(self.name_stack)
-    prim = self.eqn.primitive.name
-    return f"{stack}/{prim}" if stack else prim
+    """The name of what this equation makes, as `jlms._names` spells it. A
+    loop or call is named after the scope its body runs in as well (a
+    layer stack's `nn.scan` runs in "blocks": "_GPT/blocks/scan"), and a
+    call that jlms made around a loop after that loop."""
+    eqn = _loop_in_jlms_call(self.eqn) or self.eqn
+    stack = "/".join(s for s in (str(self.name_stack), _inner_scope(eqn))
+                     if s)
+    return readable_name(stack, eqn.primitive.name)
+
+
+def _inner_scope(eqn) -> str:
+  """The scope that the named equations of `eqn`'s bodies share, jlms's
+  own copies aside."""
+  stacks = [str(_compat.name_stack(inner))
+            for inner in _compat.body_equations(eqn)]
+  return common_scope([s for s in stacks if s and not s.startswith("jlms")])
+
+
+def _loop_in_jlms_call(eqn, depth: int = 3):
+  """The loop inside `eqn` if `eqn` is a call that jlms traced around one
+  (named "jlms_..."), else None."""
+  name = _compat.call_name(eqn)
+  if depth == 0 or name is None or not name.startswith("jlms_"):
+    return None
+  for inner in _compat.body_equations(eqn):
+    if inner.primitive in _compat.LOOP_PRIMITIVES:
+      return inner
+    found = _loop_in_jlms_call(inner, depth - 1)
+    if found is not None:
+      return found
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +106,8 @@ def flatten(closed_jaxpr, inline_calls: bool = True) -> Program:
       return Const(atom.val, literal=atom)
     return env[atom]
 
-  def walk(jaxpr, consts, args: list[Atom], name_stack) -> list[Atom]:
+  def walk(jaxpr, consts, args: list[Atom], name_stack,
+           whole: bool = False) -> list[Atom]:
     env: dict = {}
     for var, const in zip(jaxpr.constvars, consts):
       env[var] = Const(const)
@@ -84,7 +115,7 @@ def flatten(closed_jaxpr, inline_calls: bool = True) -> Program:
       env[var] = arg
     for eqn in jaxpr.eqns:
       inputs = [read(env, v) for v in eqn.invars]
-      stack = name_stack + eqn.source_info.name_stack
+      stack = name_stack + _compat.name_stack(eqn)
       if inline_calls and eqn.primitive is _compat.remat_p:
         inputs = _barrier_remat_inputs(eqn, inputs, stack, new_id, equations)
         body, body_consts = _compat.remat_body(eqn)
@@ -97,9 +128,12 @@ def flatten(closed_jaxpr, inline_calls: bool = True) -> Program:
         body, body_consts = _compat.call_body(eqn)
         inner_stack = stack
         name = _compat.call_name(eqn)
-        if name is not None:
+        # A call that is the whole step (jlms's jit of it, or the user's own
+        # jit) would put its name in front of every equation's.
+        whole_step = whole and len(jaxpr.eqns) == 1
+        if name is not None and not whole_step:
           inner_stack = _compat.extend_name_stack(stack, name)
-        results = walk(body, body_consts, inputs, inner_stack)
+        results = walk(body, body_consts, inputs, inner_stack, whole_step)
         for var, result in zip(eqn.outvars, results):
           env[var] = result
         continue
@@ -112,7 +146,8 @@ def flatten(closed_jaxpr, inline_calls: bool = True) -> Program:
 
   jaxpr, consts = _compat.jaxpr_parts(closed_jaxpr)
   invars = tuple(new_id(v.aval) for v in jaxpr.invars)
-  outvars = walk(jaxpr, consts, list(invars), _compat.empty_name_stack())
+  outvars = walk(jaxpr, consts, list(invars), _compat.empty_name_stack(),
+                 whole=True)
   return Program(invars, tuple(outvars), tuple(equations), tuple(avals))
 
 

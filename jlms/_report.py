@@ -33,7 +33,6 @@ if TYPE_CHECKING:
   from jlms._plan import Plan
 
 _UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
-_LARGEST_SHOWN = 10
 _BASELINE_COLOR = "#8c8c8c"
 _PLAN_COLOR = "#1f77b4"
 _HOST_COLOR = "#ff7f0e"
@@ -270,19 +269,28 @@ def _plot_html(plan: Plan) -> str:
 
 
 def _offloaded_html(plan: Plan) -> str:
+  """The values `str(plan)` lists, with the same names and shapes, whole
+  (HTML wraps them), and how each is kept: its mark in `str(plan)`."""
   if not plan.offloaded:
     return "<p>No values are offloaded.</p>"
-  largest = sorted(plan.offloaded, key=lambda v: -v.nbytes)[:_LARGEST_SHOWN]
-  rows = [(v.name, v.source, f"{np.dtype(v.dtype).name}{list(v.shape)}",
-           format_bytes(v.nbytes), str(v.produced_at),
-           str(v.swapped_out_after),
-           ", ".join(str(i) for i in v.prefetched_before))
-          for v in largest]
-  title = (f"<h4>The {len(largest)} largest of {len(plan.offloaded)} "
+  listed = plan.largest_offloaded()
+  rows = [(v.name, v.source, v.shape_text, format_bytes(v.nbytes),
+           str(v.produced_at), str(v.swapped_out_after),
+           ", ".join(str(i) for i in v.prefetched_before), _kept_as(v))
+          for v in listed]
+  title = (f"<h4>The {len(listed)} largest of {len(plan.offloaded)} "
            "offloaded values</h4>")
   return title + _table(
       ("value", "made by", "shape", "size", "made at", "out after",
-       "in before"), rows, numeric=(3, 4, 5, 6))
+       "in before", "kept as"), rows, numeric=(3, 4, 5, 6))
+
+
+def _kept_as(value) -> str:
+  if value.recomputed:
+    return "recomputed (+)"
+  if value.streamed:
+    return "host copy, a slice per iteration (*)"
+  return "host copy"
 
 
 def _live_at_peak_html(plan: Plan) -> str:

@@ -28,6 +28,13 @@ and later reads of those outputs go through it too (XLA prunes barrier
 operands nobody reads, and the order with them), so XLA cannot start one
 before the previous has run.
 
+Every equation the rewrite adds is named for profiles: copies and
+recomputations under "jlms/swap_out/<value>", "jlms/swap_in/<value>" and
+"jlms/recompute/<value>" (the value as the plan names it, see
+`jlms._names.profile_scope`), barriers under the same scope when they carry
+one value's copies, else "jlms/<kind>". XLA's op names are "jit(<step>)/"
+and that scope.
+
 Equations are built directly rather than re-traced: re-binding every
 primitive costs as much as tracing the step again, and tracing
 `jlms.offload(step)` must stay within twice the cost of tracing `step`.
@@ -46,6 +53,7 @@ import jax
 
 from jlms import _compat, _rules
 from jlms._config import OffloadConfig, SyncMode
+from jlms._names import profile_scope
 from jlms._planner import Offload
 from jlms._program import Const, Program
 
@@ -99,6 +107,11 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
     for swap_in in offload.swap_ins:
       swap_in_before[swap_in.issue_before].append(offload.value)
 
+  # Each copy and recomputation is emitted under "jlms/<kind>/<value>",
+  # the value named as the plan names it: a profile then shows what jlms
+  # issued and what it carries. So are barriers, which XLA's compiled
+  # copies can take their names from (it drops a copy's own).
+  scope = _scopes(program, offloads)
   invars = [_compat.new_var(program.avals[i]) for i in program.invars]
   env: dict[int, object] = dict(zip(program.invars, invars))
   constvars, consts = [], []
@@ -160,6 +173,8 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
     XLA can neither hoist the recomputation nor merge it with the first."""
     nonlocal offloaded_reader_outputs
     chain = [program.equations[i] for i in offload.recompute]
+    recompute_stack = _compat.scope_name_stack(
+        scope("recompute", offload.value))
     made = {out for eq in chain for out in eq.outputs}
     leaves = [a for a in dict.fromkeys(
         a for eq in chain for a in eq.inputs if isinstance(a, int))
@@ -171,7 +186,7 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
         live(previous_outputs + offloaded_reader_outputs)) if a not in leaves]
     offloaded_reader_outputs = []
     tied = tie_to_inputs([env[a] for a in leaves], dependencies, anchor,
-                         "jlms_recompute")
+                         scope("recompute", offload.value))
     local = dict(zip(leaves, tied))
     for eq in chain:
       outvars = []
@@ -181,8 +196,7 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
         outvars.append(var)
       eqns.append(_compat.rebuilt_equation(
           eq.eqn, [local[a] if a in local else read(a) for a in eq.inputs],
-          outvars, _compat.extend_name_stack(eq.name_stack,
-                                             "jlms_recompute")))
+          outvars, recompute_stack))
     env[offload.value] = local[offload.value]
 
   def live(ids):
@@ -219,7 +233,7 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
         # copy alone, which is what keeps XLA from deleting the round trip.
         tied = tie_to_inputs([host[v] for v in due],
                              next_inputs if sync_out or timed else (),
-                             anchor, "jlms_swap_out")
+                             anchor, scope("swap_out", *due))
         host.update(zip(due, tied))
         pending_host = [v for v in pending_host if v not in due]
 
@@ -228,18 +242,18 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
       # barrier operands whose results nobody reads, and the order with them.
       dependencies = live(previous_outputs + offloaded_reader_outputs)
       ready = tie_to_inputs([host[v] for v in incoming], dependencies,
-                            anchor, "jlms_swap_in")
+                            anchor, scope("swap_in", *incoming))
       offloaded_reader_outputs = []
       for value, on_host in zip(incoming, ready):
         on_device = on_host
         if transfers:
           on_device = _compat.new_var(program.avals[value])
           eqns.append(_compat.device_put_equation(
-              on_host, on_device, False, anchor, "jlms_swap_in"))
+              on_host, on_device, False, anchor, scope("swap_in", value)))
         env[value] = on_device
       if sync_in and equation is not None:
         tied = tie_to_inputs([env[v] for v in incoming], equation.inputs,
-                             anchor, "jlms_swap_in")
+                             anchor, scope("swap_in", *incoming))
         env.update(zip(incoming, tied))
 
     # Remade in program order, so that one remade value read by another's
@@ -254,7 +268,7 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
       previous = [a for a in live(serial_outputs) if _tieable(env[a])]
       if previous:
         chained = tie_to_inputs([env[a] for a in previous], equation.inputs,
-                                anchor, "jlms_serialize")
+                                anchor, "jlms/serialize")
         env.update(zip(previous, chained))
     outvars = []
     for out_id, old in zip(equation.outputs, equation.eqn.outvars):
@@ -293,10 +307,26 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
         on_host = _compat.new_var(_compat.memory_space_aval(
             on_device.aval, jax.memory.Space.Host))
         eqns.append(_compat.device_put_equation(
-            on_device, on_host, True, equation.eqn, "jlms_swap_out"))
+            on_device, on_host, True, equation.eqn,
+            scope("swap_out", value)))
       host[value] = on_host
       pending_host.append(value)
 
   outvars = [read(a) for a in program.outvars]
   return _compat.closed_jaxpr(constvars, consts, invars, outvars, eqns,
                               debug_info)
+
+
+def _scopes(program: Program, offloads: tuple[Offload, ...]):
+  """`scope(kind, *values)`: "jlms/<kind>/<name>" when the offloaded
+  `values` have one name (`jlms._names.profile_scope`), else
+  "jlms/<kind>"."""
+  offloaded = {o.value for o in offloads}
+  names = {out: equation.readable_name() for equation in program.equations
+           for out in equation.outputs if out in offloaded}
+
+  def scope(kind: str, *values: int) -> str:
+    named = {names.get(v, "") for v in values}
+    return profile_scope(kind, named.pop() if len(named) == 1 else "")
+
+  return scope

@@ -1,12 +1,16 @@
 """The rewritten jaxpr: well typed, and offloads where and when planned."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jlms
 from benchmarks import models, overhead
-from jlms import _compat
+from jlms import _compat, _xla_memory
+from jlms._names import profile_scope
+from jlms_tests.test_zoo import _tiny_case
 
 
 def _mlp_step(params, x):
@@ -110,3 +114,63 @@ def test_the_overhead_benchmark_times_the_barriers_that_run(options):
   barriers, _ = counts(step)
   assert barriers > 0
   assert counts(overhead._barriers_only(step, args)) == (barriers, 0)
+
+
+def _op_names(lowered_text: str) -> list[tuple[str, str]]:
+  """(op line, name) of each op of a StableHLO module printed with its
+  debug locations: the name is XLA's op_name, the step's jit then the
+  name stack and the primitive."""
+  names = dict(re.findall(r'^(#loc\d+) = loc\("([^"]*)"', lowered_text,
+                          re.MULTILINE))
+  return [(line, names.get(ref, ""))
+          for line in lowered_text.splitlines()
+          for ref in re.findall(r"loc\((#loc\d+)\)\s*$", line)]
+
+
+def test_copies_and_recomputations_carry_jlms_scopes_in_the_lowered_hlo():
+  # Copies to host survive lowering only for a target with pinned host
+  # memory: lowered for the deviceless H100, not compiled.
+  case = models.mlp_case(depth=8, width=1024, batch=2048)
+  args = _xla_memory._place_on_target(
+      case.abstract_args(), _xla_memory.target_devices("h100"))
+  step = jlms.offload(case.step, budget="min")
+  plan = step.plan(*args)
+  copied = [v for v in plan.offloaded if not v.recomputed]
+  assert copied and plan.recomputed
+  ops = _op_names(step.lower(*args).as_text(debug_info=True))
+  placements = [(re.search(r'_xla_buffer_placement = "(\w+)"', line).group(1),
+                 name) for line, name in ops
+                if "@annotate_device_placement" in line]
+  to_host = {name for space, name in placements if space == "pinned_host"}
+  to_device = {name for space, name in placements if space == "device"}
+  # The step's jit is named after the step, as jax.jit names it.
+  prefix = f"jit({case.step.__name__})/"
+  for value in copied:
+    assert (f"{prefix}{profile_scope('swap_out', value.name)}/device_put"
+            in to_host), value.name
+    assert (f"{prefix}{profile_scope('swap_in', value.name)}/device_put"
+            in to_device), value.name
+  assert all(name.startswith(f"{prefix}jlms/swap_")
+             for name in to_host | to_device)
+  remade = {name for _, name in ops if "/jlms/recompute/" in name}
+  for value in plan.recomputed:
+    scope = f"{prefix}{profile_scope('recompute', value.name)}/"
+    assert any(name.startswith(scope) for name in remade), value.name
+
+
+def test_copies_inside_loops_carry_jlms_scopes_in_the_lowered_hlo():
+  # The GPT's layer stack streams its residuals a slice per iteration:
+  # the copies inside the scans are named after the stack.
+  case = _tiny_case("gpt")
+  args = _xla_memory._place_on_target(
+      case.abstract_args(), _xla_memory.target_devices("h100"))
+  step = jlms.offload(case.step, min_bytes=1 << 10)
+  streamed = [v for v in step.plan(*args).offloaded if v.streamed]
+  assert streamed
+  ops = _op_names(step.lower(*args).as_text(debug_info=True))
+  placed = {name for line, name in ops
+            if "@annotate_device_placement" in line}
+  for value in streamed:
+    for kind in ("swap_out", "swap_in"):
+      scope = f"{profile_scope(kind, value.name)}/device_put"
+      assert any(name.endswith(scope) for name in placed), (kind, value.name)
