@@ -113,15 +113,19 @@ def _parser() -> argparse.ArgumentParser:
       "plan", help="plan a step for a target GPU and a budget",
       formatter_class=argparse.RawDescriptionHelpFormatter,
       description="Plan the step that MODULE:FUNCTION returns for a target "
-      "GPU: print the plan, XLA's device peak and host bytes and the "
-      "predicted step time, with jax.jit and with jlms.",
-      epilog=f"{_EXPECTED}; arrays in args may be jax.ShapeDtypeStructs.\n"
-      "The step is a function, a jax.jit of one, or a jlms.offload'ed "
-      "step.\n\nexample (from jlms's repository root):\n"
+      "GPU: print the plan,\nXLA's device peak and host bytes and the "
+      "predicted step time, with jax.jit\nand with jlms. The step is "
+      "traced and compiled, never run.",
+      epilog="FUNCTION returns (step, args), (step, args, kwargs) or an "
+      "object with a 'step'\nand an 'abstract_args()' method (such as a "
+      "benchmarks.zoo StepCase); arrays\nin args may be "
+      "jax.ShapeDtypeStructs. The step is a function, a jax.jit of one,\n"
+      "or a jlms.offload'ed step.\n\n"
+      "example (from jlms's repository root):\n"
       "  jlms plan benchmarks.zoo:gpt_case --arg layers=2 --arg seq=256 "
-      "--target h100 --budget 1.5GiB --html gpt.html\n\n"
+      "\\\n      --target h100 --budget 1.5GiB --html gpt.html\n\n"
       "exit status: 0 planned, 1 the budget cannot be met or jlms cannot "
-      "plan the step, 2 usage error")
+      "plan the step,\n2 usage error")
   plan.set_defaults(parser=plan)
   plan.add_argument("function", metavar="MODULE:FUNCTION",
                     help="an importable module and a function in it, "
@@ -131,7 +135,8 @@ def _parser() -> argparse.ArgumentParser:
                     "(compiled deviceless) or local (the GPU attached "
                     "here); default h100")
   plan.add_argument("--budget", type=_budget,
-                    help=f"device memory the step may use: {_BUDGET_FORMS}"
+                    help="device memory the step may use: "
+                    f"{_BUDGET_FORMS.replace('%', '%%')}"
                     "; a jlms.offload'ed step keeps its own by default")
   plan.add_argument("--host-budget", type=_size, default=None,
                     help="pinned host memory the plan may hold at once "

@@ -140,6 +140,19 @@ def test_usage_errors_exit_2_and_say_what_was_expected(argv, message, capsys):
   assert re.search(message, capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"],
+                                  ["targets", "--help"]])
+def test_help_explains_the_commands(argv, capsys):
+  with pytest.raises(SystemExit) as exit_:
+    main(argv)
+  assert exit_.value.code == 0
+  out = capsys.readouterr().out
+  assert "usage: jlms" in out
+  if "plan" in argv:
+    assert "90%" in out and "MODULE:FUNCTION" in out
+    assert "jlms plan benchmarks.zoo:gpt_case" in out
+
+
 def test_targets_lists_the_gpus_with_their_memory(capsys):
   assert main(["targets"]) == 0
   out = capsys.readouterr().out
