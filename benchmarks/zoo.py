@@ -5,6 +5,11 @@ Every builder returns a `models.StepCase` (`name`, `step`, `make_args`,
 step is pure and jittable, `make_args()` is deterministic, and
 `abstract_args()` (`jax.eval_shape(make_args)`) allocates nothing, so a case
 with tens of GiB of activations can be traced and compiled deviceless.
+The `jlms` command line plans any builder, its arguments given with
+`--arg`, e.g. from the repository's root:
+
+    jlms plan benchmarks.zoo:gpt_case --arg layers=2 --arg seq=256 \\
+        --target h100 --budget 1.5GiB --html gpt.html
 
 Networks (the size argument is the image side, the cube side for the 3D
 U-Net, the sequence length for GPT):

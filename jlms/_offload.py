@@ -169,7 +169,10 @@ class OffloadedStep:
     self.strict = strict
     self._verify = verify
     self._verified: set = set()
-    self.budget = budget
+    # The named budgets are told apart by identity below: a string equal to
+    # one (read from a command line, say) is made that one.
+    self.budget = next((named for named in (KNOBS, DEVICE, MINIMUM)
+                        if budget == named), budget)
     self.target = target
     # The smallest value a budget's fit may move: the knob if given.
     self._fit_min_bytes = min_bytes_given
@@ -180,7 +183,7 @@ class OffloadedStep:
       # Where XLA confirms a budget; each has a time model.
       raise ValueError(f"jlms.offload: unknown target {target!r}; valid "
                        f"targets: {', '.join(KNOWN_TARGETS)}")
-    if budget not in (KNOBS, DEVICE, MINIMUM):
+    if self.budget not in (KNOBS, DEVICE, MINIMUM):
       parse_budget(budget, lambda: 1)  # reject malformed budgets now
 
   def __repr__(self) -> str:

@@ -42,6 +42,13 @@ def test_an_unknown_budget_lists_the_valid_ones():
     jlms.offload(lambda x: x, budget="much")
 
 
+def test_a_named_budget_made_at_run_time_is_the_named_budget():
+  case = models.mlp_case(depth=4, width=256, batch=256)
+  made = "".join(["m", "in"])  # equal to "min", another object
+  plan = jlms.offload(case.step, budget=made).plan(*case.abstract_args())
+  assert plan.fitted and plan.budget_bytes is None
+
+
 @pytest.mark.parametrize("target", ["tpu-v9", "gh200"])
 def test_an_unknown_target_lists_the_valid_ones(target):
   # gh200 has a time model, but XLA cannot compile for it deviceless: a

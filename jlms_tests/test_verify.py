@@ -47,6 +47,16 @@ def test_problems_name_what_went_wrong():
   assert "peak ratio 0.500" in str(good)
 
 
+def test_a_plan_that_only_recomputes_expects_nothing_on_host():
+  plan = jlms.offload(_chain, **EAGER).plan(X)
+  recomputed = tuple(dataclasses.replace(v, recomputed=True)
+                     for v in plan.offloaded)
+  comparison = MemoryComparison(
+      "h100", dataclasses.replace(plan, offloaded=recomputed),
+      baseline=_memory(temp_bytes=100), offloaded=_memory(temp_bytes=50))
+  assert comparison.problems == ()
+
+
 def test_memory_compares_with_jit_on_the_h100_and_warns_when_worse():
   # A plan that looks fine on the jaxpr: on values this small, the copies
   # back cost more device memory than the swap-outs free, and XLA says so.
