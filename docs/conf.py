@@ -52,6 +52,7 @@ myst_heading_anchors = 3
 default_role = "literal"
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
