@@ -45,6 +45,8 @@ exclude_patterns = ["_build", "jupyter_execute", "figures.py"]
 
 # Notebooks are shown as they were saved, outputs included: never run here.
 nb_execution_mode = "off"
+# Markdown outputs (the notebook displays a table) as GitHub-flavoured.
+nb_render_markdown_format = "gfm"
 myst_enable_extensions = ["colon_fence"]
 myst_heading_anchors = 3
 
