@@ -15,6 +15,10 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # benchmarks/ and this checkout's jlms
 
 import jax
 import matplotlib
@@ -25,7 +29,7 @@ import matplotlib.pyplot as plt
 import jlms
 from benchmarks import models
 
-STATIC = pathlib.Path(__file__).resolve().parent / "_static"
+STATIC = ROOT / "docs" / "_static"
 TARGET = "h100"
 
 
