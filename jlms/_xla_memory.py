@@ -165,9 +165,10 @@ def xla_memory(
       fn: a callable; one with a `.lower(*args, **kwargs)` method (a `jax.jit`
         object or a jlms step) is lowered through it, anything else through
         `jax.jit(fn)`.
-      *args, **kwargs: pytrees of jax arrays, numpy arrays, Python scalars or
-        `jax.ShapeDtypeStruct`s. Python scalars are passed unchanged (weakly
-        typed under jit).
+      *args: pytrees of jax arrays, numpy arrays, Python scalars or
+        `jax.ShapeDtypeStruct` values. Python scalars are passed unchanged
+        (weakly typed under jit).
+      **kwargs: the same, by keyword.
       target: "h100", "h200", "a100" (deviceless GPU compile) or "local" (the
         default local backend, with the arguments exactly as given).
       topology: GPU layout `<slices>x<hosts>x<gpus per host>` of a GPU target.
