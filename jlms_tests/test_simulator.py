@@ -55,6 +55,32 @@ def test_relu_is_fusible_inlined_or_through_its_custom_jvp_call():
       program.equations[0].outputs[0]]
 
 
+def test_a_cotangent_sum_computes_its_elementwise_operands_but_is_a_buffer():
+  # x is read twice, so its cotangent is the sum (add_any) of two
+  # elementwise products, which XLA computes inside the add's kernel; the
+  # sum itself, read by a matmul, is a buffer.
+  def loss(x, w):
+    return ((jnp.sin(x) * x) @ w).sum()
+  x = jnp.ones((256, 256))
+  program, liveness = _program(jax.grad(loss), x, x)
+  fusion = analyse_fusion(program, liveness)
+  summed = _made_by(program, liveness, "add_any")
+  assert summed, "the gradient must sum two cotangents"
+  for value in summed:
+    equation = program.equations[liveness.producer[value]]
+    operands = [v for v in equation.inputs if isinstance(v, int)]
+    assert not any(fusion.materialized[v] for v in operands
+                   if liveness.producer[v] >= 0 and program.equations[
+                       liveness.producer[v]].primitive.name == "mul")
+  # A sum read by a matmul is a buffer of its own.
+  def reread(x, w):
+    return (jax.grad(loss)(x, w) @ w).sum()
+  program, liveness = _program(reread, x, x)
+  fusion = analyse_fusion(program, liveness)
+  assert all(fusion.materialized[v]
+             for v in _made_by(program, liveness, "add_any"))
+
+
 def test_a_fused_read_keeps_its_input_alive_until_the_fused_work_runs():
   def f(a, b):
     early = a * 3.0  # fused into the late add: a stays alive until then
