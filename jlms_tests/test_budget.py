@@ -130,6 +130,7 @@ def test_a_tighter_budget_costs_more_time_and_still_equals_jit(resnet):
       F32_TOLERANCE)
 
 
+@pytest.mark.slow  # runs 200 GFLOP on the CPU: 8 s
 def test_copies_are_placed_where_compute_hides_them():
   # Residuals of a tanh MLP: remaking a preactivation needs a matmul, so
   # large enough layers copy some values to host instead.

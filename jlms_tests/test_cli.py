@@ -107,8 +107,11 @@ def test_a_budget_that_cannot_be_met_exits_1_without_a_traceback(capsys):
 
 
 @pytest.mark.parametrize("function, expected", [
-    # Fits an H100 as it is: jax.jit's program, planned for the device.
-    ("jitted_small_step", "budget 79.11 GiB: fits without offloading"),
+    # Fits an H100 as it is: jax.jit's program, planned for the device (two
+    # more H100 compiles: slow tier).
+    pytest.param("jitted_small_step",
+                 "budget 79.11 GiB: fits without offloading",
+                 marks=pytest.mark.slow),
     # An offloaded step keeps its own settings (here TFLMS's knobs).
     ("offloaded_small_step", "settings: min_bytes 1048576"),
 ])
@@ -174,6 +177,7 @@ def _run_jlms(*argv, timeout):
                         timeout=timeout)
 
 
+@pytest.mark.slow  # a fresh interpreter imports jax and compiles: 8 s
 def test_python_m_jlms_plans_a_step_case_of_the_benchmarks(tmp_path):
   # A `StepCase` (step, abstract_args()) built with --arg keywords.
   report = tmp_path / "mlp.html"

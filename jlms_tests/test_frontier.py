@@ -8,6 +8,10 @@ import pytest
 import jlms
 from benchmarks import frontier_cases, models
 
+# One worker runs the whole module: its module-scoped fixture compiles
+# (or starts processes) once.
+pytestmark = pytest.mark.xdist_group("frontier")
+
 TARGET = "h100"
 
 

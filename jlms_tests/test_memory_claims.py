@@ -16,6 +16,10 @@ import jlms
 from jlms_tests.conftest import TFLMS_KNOBS
 from benchmarks import models
 
+# One worker runs the whole module: its module-scoped fixture compiles
+# (or starts processes) once.
+pytestmark = pytest.mark.xdist_group("memory_claims")
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

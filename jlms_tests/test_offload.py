@@ -44,7 +44,14 @@ def _case(name):
   return CASES[name]()
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+def _cases(slow=()):
+  """The case names, those in `slow` in the slow tier: the quick one keeps
+  a case of each kind of program (the scanned GPT stands for both)."""
+  return [pytest.param(name, marks=[pytest.mark.slow] if name in slow else [])
+          for name in sorted(CASES)]
+
+
+@pytest.mark.parametrize("name", _cases(slow={"gpt"}))
 def test_outputs_equal_jax_jit(name):
   case = _case(name)
   args = case.make_args()
@@ -54,7 +61,9 @@ def test_outputs_equal_jax_jit(name):
   assert max_relative_error(step(*args), expected) <= F32_TOLERANCE
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# A transformer's H100 compile takes 8 to 11 seconds (XLA compiles each of
+# its many small kernels): both are in the slow tier.
+@pytest.mark.parametrize("name", _cases(slow={"gpt", "gpt_scan"}))
 def test_h100_compile_puts_bytes_on_host(name):
   case = _case(name)
   memory = jlms.xla_memory(jlms.offload(case.step, **FORCED),

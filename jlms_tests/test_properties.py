@@ -39,7 +39,7 @@ TARGET = "h100"
 
 #: Draws per property and profile; at least 50 in all in the quick one.
 EXAMPLES = {
-    "quick": dict(outputs=22, peak=4, budget=4, anything=20),
+    "quick": dict(outputs=20, peak=3, budget=3, anything=24),
     "long": dict(outputs=200, peak=110, budget=110, anything=80),
 }[HYPOTHESIS_PROFILE]
 

@@ -24,6 +24,10 @@ from benchmarks.sharded import mesh_of, shard_step_args
 from jlms._sharding import abstract_arguments, device_shape, unseen_split
 from jlms_tests.conftest import F32_TOLERANCE, TFLMS_KNOBS, max_relative_error
 
+# One worker runs the whole module: its module-scoped fixture compiles
+# (or starts processes) once.
+pytestmark = pytest.mark.xdist_group("sharding")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1 << 30
 MIB = 1 << 20
