@@ -11,6 +11,7 @@ from jlms._config import SyncMode as SyncMode
 from jlms._fallback import FallbackWarning as FallbackWarning
 from jlms._fallback import OffloadError as OffloadError
 from jlms._offload import OffloadedStep as OffloadedStep
+from jlms._offload import StateOnDeviceWarning as StateOnDeviceWarning
 from jlms._offload import offload as offload
 from jlms._nnx import OffloadedNnxStep as OffloadedNnxStep
 from jlms._nnx import offload_nnx as offload_nnx

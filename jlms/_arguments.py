@@ -59,7 +59,8 @@ class SplitArguments:
 
   def key(self) -> tuple:
     """The signature a plan is cached under: tree structure, static values
-    and each leaf's abstract value."""
+    and each leaf's abstract value, wherever it is (a state that the plan
+    keeps on host arrives there or on the device, and is the same step)."""
     return (self.treedef, self.static_args, self.static_kwargs,
             tuple(_abstract_leaves(self.leaves, self.treedef)))
 
@@ -121,7 +122,7 @@ def committed_where_they_are(args, kwargs) -> tuple[tuple, dict]:
 
 def _abstract_leaves(leaves, treedef):
   try:
-    return [_compat.abstractify(x) for x in leaves]
+    return [_compat.on_device(_compat.abstractify(x)) for x in leaves]
   except TypeError as error:
     # The slow path, only to say which leaf, by its path in (args, kwargs).
     for (which, *path), leaf in jax.tree_util.tree_leaves_with_path(
@@ -145,3 +146,25 @@ def _is_abstractable(leaf) -> bool:
   except TypeError:
     return False
   return True
+
+
+def traceable(leaves) -> list:
+  """`leaves` as the step is traced on them: arrays in pinned host memory
+  as abstract arrays on the device (a step computes on its arguments; jlms
+  places its state itself, `jlms._state`)."""
+  def on_device(leaf):
+    if not (isinstance(leaf, jax.Array) and not isinstance(
+        leaf, jax.core.Tracer) and leaf.sharding.memory_kind == "pinned_host"):
+      return leaf
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                sharding=leaf.sharding.with_memory_kind(
+                                    "device"),
+                                weak_type=leaf.weak_type)
+  return [on_device(x) for x in leaves]
+
+
+def host_positions(leaves) -> tuple[int, ...]:
+  """Positions of the leaves that are arrays in pinned host memory."""
+  return tuple(i for i, x in enumerate(leaves)
+               if isinstance(x, jax.Array)
+               and _compat.is_host_aval(_compat.abstractify(x)))

@@ -242,6 +242,13 @@ def is_host_aval(aval) -> bool:
   return getattr(aval, "memory_space", None) == jax.memory.Space.Host
 
 
+def on_device(aval):
+  """`aval` in device memory (itself when it is there already)."""
+  if not is_host_aval(aval):
+    return aval
+  return aval.update(memory_space=jax.memory.Space.Device)
+
+
 def memory_space_aval(aval, space):
   """`aval` placed in memory space `space` (a `jax.memory.Space`)."""
   return aval.update(memory_space=space)
@@ -337,6 +344,48 @@ def bind_jit(params: dict, closed, args) -> list:
     raise _unsupported("a jit equation without an 'inline' parameter")
   return _JIT_PRIMITIVES[0].bind(
       *args, **{**params, "jaxpr": closed, "inline": _INLINE_INTO_CALLER})
+
+
+def mark_host_arguments(lowered, positions) -> None:
+  """Marks, in place, the arguments of `lowered` at `positions` (among the
+  call's dynamic leaves) as taken from pinned host memory: the attribute
+  `mhlo.memory_kind = "pinned_host"` that JAX puts on an argument in
+  pinned host memory on a GPU, which compile-only devices drop from
+  shardings (XLA then lays it out in host memory, S(5)). The arguments jit
+  prunes as unused are skipped."""
+  from jax._src.lib.mlir import ir  # the module that holds the attributes
+  kept = lowered._lowering.compile_args.get("kept_var_idx")
+  order = sorted(kept) if kept is not None else None
+  module = lowered.compiler_ir()  # the module `compile()` compiles
+  with module.context:
+    main = next(op for op in module.body.operations
+                if "sym_name" in op.attributes
+                and ir.StringAttr(op.attributes["sym_name"]).value == "main")
+    attributes = list(main.arg_attrs)
+    for position in positions:
+      if order is not None and position not in kept:
+        continue
+      index = order.index(position) if order is not None else position
+      entries = {a.name: a.attr for a in ir.DictAttr(attributes[index])}
+      entries["mhlo.memory_kind"] = ir.StringAttr.get("pinned_host")
+      attributes[index] = ir.DictAttr.get(entries)
+    main.arg_attrs = ir.ArrayAttr.get(attributes)
+
+
+def is_scalar_broadcast(eqn) -> bool:
+  """Whether `eqn` broadcasts a rank-0 operand to an array."""
+  return (eqn.primitive is _prims.broadcast_in_dim_p
+          and not getattr(eqn.invars[0].aval, "shape", (0,)))
+
+
+def broadcast_scalar(eqn, operand, shape) -> Any:
+  """The broadcast of rank-0 `eqn` staged for `operand` at `shape`, its
+  other params as they are (a sharding of the whole array is dropped: a
+  slice of it is not that)."""
+  params = dict(eqn.params, shape=tuple(shape), broadcast_dimensions=())
+  if "sharding" in params:
+    params["sharding"] = None
+  return eqn.primitive.bind(operand, **params)
 
 
 def bind_equation(eqn, args) -> list:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 
 import numpy as np
@@ -95,9 +96,11 @@ class _Problem:
   """One program, priced once, with the options of each of its values."""
 
   def __init__(self, program: Program, liveness: Liveness, fusion: Fusion,
-               target: GpuTarget, min_bytes: int, residuals=()):
+               target: GpuTarget, min_bytes: int, residuals=(),
+               state_copies=()):
     self.program, self.liveness, self.fusion = program, liveness, fusion
     self.residuals = residuals
+    self.state_copies = state_copies
     self.target = target
     self.kernel_s = kernel_seconds(program, target, fusion, liveness)
     # start[i]: compute seconds before equation i starts, without copies.
@@ -205,31 +208,38 @@ class _Problem:
   def step_time(self, offloads) -> StepTime:
     return predict_step_time(self.program, self.liveness, self.kernel_s,
                              tuple(offloads), self.target, SyncMode.NONE,
-                             self.residuals)
+                             self.residuals, self.state_copies)
 
 
 def fit(program: Program, liveness: Liveness, budget_bytes: int | None,
         target: GpuTarget, min_bytes: int = 1 << 20,
         fusion: Fusion | None = None, residuals=(),
-        host_budget_bytes: int | None = None) -> Fit:
+        host_budget_bytes: int | None = None, state_copies=()) -> Fit:
   """The offloads, transfers and recomputations, that fit `budget_bytes` in
   the least predicted step time (see the module docstring); with
   `budget_bytes=None`, those that reach the smallest peak jlms can. The
-  program's scan `residuals`, already streamed through host, are priced.
+  program's scan `residuals`, already streamed through host, and the copies
+  of its state kept on host (`jlms._state.StateCopy`), are priced.
   No copy is chosen that would take the pinned host memory in use at once
   above `host_budget_bytes`."""
   started = time.perf_counter()
   if fusion is None:
     fusion = analyse_fusion(program, liveness)
-  problem = _Problem(program, liveness, fusion, target, min_bytes, residuals)
+  problem = _Problem(program, liveness, fusion, target, min_bytes, residuals,
+                     state_copies)
   problem.host_budget = host_budget_bytes
   baseline = problem.simulate(())
   if (host_budget_bytes is not None
       and baseline.host_peak_bytes > host_budget_bytes):
+    needed_gb = math.ceil(baseline.host_peak_bytes / (1 << 30))
     error = BudgetError(
-        f"jlms: the scan residuals streamed through host take "
-        f"{format_bytes(baseline.host_peak_bytes)} of pinned host memory, "
-        f"above the host budget of {format_bytes(host_budget_bytes)}")
+        f"jlms: the state kept on host and the scan residuals streamed "
+        f"through host take {format_bytes(baseline.host_peak_bytes)} of "
+        f"pinned host memory at once, above the host budget of "
+        f"{format_bytes(host_budget_bytes)}: set "
+        f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={needed_gb} (XLA's pinned pool, "
+        f"64 GB unless set) or pass host_budget=, on a machine with that "
+        f"much free memory")
     error.smallest_bytes = baseline.peak_bytes
     raise error
   baseline_time = problem.step_time(())

@@ -44,8 +44,11 @@ from jlms._program import Equation, Program
 class ScanResidual:
   """A stacked output of one scan that later scans read slice by slice."""
   value: int  # the stack's value id
-  producer: int  # index of the scan equation that stacks it
+  # Index of the scan equation that stacks it; None for a stack that is on
+  # host already (state kept there between steps, `jlms._state`).
+  producer: int | None
   readers: tuple[int, ...]  # indices of the scan equations that read it
+  label: str = ""  # its name where it has no producer to be named after
 
 
 def _scanned_inputs(equation: Equation) -> range:
@@ -114,19 +117,20 @@ def offload_scan_residuals(program: Program,
   for value in on_host:
     avals[value] = _compat.memory_space_aval(avals[value],
                                              jax.memory.Space.Host)
-  producers = {r.producer for r in residuals}
+  producers = {r.producer for r in residuals if r.producer is not None}
   readers = {i for r in residuals for i in r.readers}
   equations = list(program.equations)
   # The copies are emitted under "jlms/swap_out/<stack>" and
   # "jlms/swap_in/<stack>", the stack named as the plan names it.
-  names = {r.value: equations[r.producer].readable_name() for r in residuals}
+  names = {r.value: r.label if r.producer is None
+           else equations[r.producer].readable_name() for r in residuals}
   for index in sorted(producers | readers):
     equation = equations[index]
     eqn = equation.eqn
     if index in producers:
       positions = [p for p in _stacked_outputs(equation)
                    if equation.outputs[p] in on_host]
-      eqn = _with_host_outputs(eqn, positions, [
+      eqn = with_host_outputs(eqn, positions, [
           profile_scope("swap_out", names[equation.outputs[p]])
           for p in positions])
     if index in readers:
@@ -137,7 +141,7 @@ def offload_scan_residuals(program: Program,
       if prefetch:
         eqn = _prefetching_reader(eqn, positions, scopes)
       else:
-        eqn = _with_host_inputs(eqn, positions, scopes)
+        eqn = with_host_inputs(eqn, positions, scopes)
     equations[index] = dataclasses.replace(equation, eqn=eqn)
   return dataclasses.replace(program, equations=tuple(equations),
                              avals=tuple(avals))
@@ -147,7 +151,7 @@ def _host(aval):
   return _compat.memory_space_aval(aval, jax.memory.Space.Host)
 
 
-def _with_host_outputs(eqn, positions: list[int], scopes: list[str]):
+def with_host_outputs(eqn, positions: list[int], scopes: list[str]):
   """The scan `eqn` whose body copies its stacked outputs at `positions`
   to host as each iteration makes them, each under its scope."""
   body = _compat.scan_layout(eqn).body
@@ -172,7 +176,7 @@ def _with_host_outputs(eqn, positions: list[int], scopes: list[str]):
   return _compat.with_scan_body(eqn, new_body, outvars=new_outvars)
 
 
-def _with_host_inputs(eqn, positions: list[int], scopes: list[str]):
+def with_host_inputs(eqn, positions: list[int], scopes: list[str]):
   """The scan `eqn` whose scanned inputs at `positions` are host stacks:
   its body copies each iteration's slice to the device first, each under
   its scope."""

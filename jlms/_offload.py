@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -30,15 +31,17 @@ import numpy as np
 
 from jlms import _compat
 from jlms._arguments import (SplitArguments, committed_where_they_are,
-                             complete_argnums, split_arguments)
+                             complete_argnums, host_positions,
+                             split_arguments, traceable)
 from jlms._config import OffloadConfig, SyncMode
 from jlms._fallback import (OffloadError, describe,
                             raise_unless_fallback_allowed, warn_fallback)
-from jlms._liveness import analyse, largest_equation
+from jlms._liveness import analyse, aval_nbytes, largest_equation
 from jlms._loop_remat import (cheapest, loop_rematerializations,
                               rematerialize_in_loops)
 from jlms._loop_sink import loop_sinks, sink_into_loops
 from jlms._loops import find_scan_residuals, offload_scan_residuals
+from jlms._state import HostState, host_state, keep_state_on_host, state_pairs
 from jlms._plan import Plan, build_plan
 from jlms._planner import Offload, plan_offloads
 from jlms._replan import PlanCounter
@@ -56,7 +59,8 @@ from jlms._placement import place_fused_at_readers
 from jlms._schedule import predict_step_time
 from jlms._verify import compare_memory_of_call
 from jlms._xla_memory import (KNOWN_TARGETS, DevicelessUnavailableError,
-                              target_memory_bytes, xla_memory)
+                              target_memory_bytes, target_of_arguments,
+                              xla_memory)
 
 _CACHE_SIZE = 32
 # Failures that are the user's to act on, never hidden by running jax.jit's
@@ -75,8 +79,16 @@ _CONFIRMATIONS = 2  # XLA compiles of a plan at most (after the step as it is)
 # Shares of a scan's residuals (the cheapest to remake first) that the
 # backward loop remakes, one variant of the step each.
 _LOOP_REMAT_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+# For the least memory, ways whose predicted peak is within this factor of
+# the smallest count as reaching it: the fastest of them is chosen.
+_LEAST_PEAK_SLACK = 1.01
 
 log = logging.getLogger("jlms")
+
+
+class StateOnDeviceWarning(UserWarning):
+  """State that jlms keeps in pinned host memory arrived on the device:
+  the step copies it to host first. `OffloadedStep.place` puts it there."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +100,12 @@ class _Analysed:
   fusion: Any
   # The step's own jaxpr as traced, for the step that runs unchanged.
   traced: Any = None
+  # The state kept on host between steps (`jlms._state`), and the copies
+  # of it that the program makes (for the time model).
+  state: HostState = HostState((), ())
+  state_copies: tuple = ()
+  # value id -> the argument's path in the step's arguments, for names.
+  argument_names: Any = None
 
   @classmethod
   def of(cls, program: Program) -> "_Analysed":
@@ -120,6 +138,9 @@ class _Analysis:
   # Why jlms has no program for these arguments (the step then runs as
   # jax.jit's); None when it has one.
   failure: BaseException | None = None
+  # The state the program takes from host and gives back there: positions
+  # among the call's dynamic leaves and among its output leaves.
+  state: HostState = HostState((), ())
 
   @property
   def rewrites_the_step(self) -> bool:
@@ -141,7 +162,8 @@ class OffloadedStep:
   def __init__(self, fun: Callable, config: OffloadConfig, *,
                static_argnums=(), static_argnames=(), donate_argnums=(),
                donate_argnames=(), verify=None, budget=DEVICE, target=None,
-               min_bytes_given=None, host_budget=None, strict=False):
+               min_bytes_given=None, host_budget=None, strict=False,
+               state_on_host=None):
     if not callable(fun):
       raise TypeError(f"jlms.offload expects a callable, got {type(fun)}")
     functools.update_wrapper(self, fun)
@@ -185,6 +207,21 @@ class OffloadedStep:
                        f"targets: {', '.join(KNOWN_TARGETS)}")
     if self.budget not in (KNOBS, DEVICE, MINIMUM):
       parse_budget(budget, lambda: 1)  # reject malformed budgets now
+    if state_on_host not in (None, True, False):
+      raise TypeError("jlms.offload: state_on_host is True, False or None, "
+                      f"not {state_on_host!r}")
+    if state_on_host and self.budget is KNOBS:
+      raise ValueError(
+          "jlms.offload: state_on_host is planned under a budget; TFLMS's "
+          "knobs (min_bytes, swapout_threshold, ...) move activations only. "
+          "Pass budget= (or no knob) to keep the state on host")
+    if state_on_host and not (donate_argnums or donate_argnames):
+      raise ValueError(
+          "jlms.offload: state_on_host=True keeps on host the donated "
+          "arguments that the step returns updated (parameters, optimizer "
+          "state); donate them with donate_argnums or donate_argnames")
+    self.state_on_host = state_on_host
+    self._warned_state: set = set()
 
   def __repr__(self) -> str:
     return f"jlms.offload({self._name}, {self.config})"
@@ -194,6 +231,7 @@ class OffloadedStep:
     if jax.config.jax_disable_jit:
       return self._fun(*args, **kwargs)  # op by op, as jax.jit's step runs
     args, kwargs = committed_where_they_are(args, kwargs)
+    args, kwargs = self._state_placed(args, kwargs)
     program = self._program_for(args, kwargs)
     if program is self._plain_jitted:
       return program(*args, **kwargs)
@@ -248,6 +286,46 @@ class OffloadedStep:
     if analysis is None or not analysis.rewrites_the_step:
       return None
     return key
+
+  def _state_placed(self, args, kwargs):
+    """The call's arguments with the state that the plan keeps on host in
+    pinned host memory: state that arrives on the device is copied there
+    first (by `place`; the caller's arrays stay valid), with one warning
+    per signature that says what it costs."""
+    if self.budget is KNOBS or self.state_on_host is False or not (
+        self.jit_options["donate_argnums"]
+        or self.jit_options["donate_argnames"]):
+      return args, kwargs
+    leaves = self._split(args, kwargs).leaves
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+      return args, kwargs  # under an outer trace: `_rewritten` copies
+    analysis = self._analysis(args, kwargs)[0]
+    if analysis.failure is not None or not analysis.state:
+      return args, kwargs
+    arrived = [leaves[i] for i in analysis.state.inputs
+               if isinstance(leaves[i], jax.Array)
+               and leaves[i].sharding.memory_kind != "pinned_host"]
+    if not arrived:
+      return args, kwargs
+    key = self._signature(args, kwargs)
+    if key not in self._warned_state:
+      self._warned_state.add(key)
+      self._warn_state_on_device(analysis, arrived)
+    placed = self.place(*args, **kwargs)
+    return (placed, {}) if not kwargs else placed
+
+  def _warn_state_on_device(self, analysis, arrived) -> None:
+    size = sum(x.nbytes for x in arrived)
+    target = time_target(self.target)
+    warnings.warn(
+        f"jlms.offload({self._name}) keeps {len(analysis.state.inputs)} "
+        f"state leaves in pinned host memory between steps, but "
+        f"{len(arrived)} of them ({format_bytes(size)}) arrived on the "
+        f"device: they are copied to host first (about "
+        f"{1e3 * target.transfer_seconds(size):.3g} ms over "
+        f"{target.link} on {target.name}) and returns the state on host. "
+        "Place the state once before the first step: "
+        "`args = step.place(*args)`", StateOnDeviceWarning, stacklevel=4)
 
   @property
   def _name(self) -> str:
@@ -311,8 +389,76 @@ class OffloadedStep:
 
   def lower(self, *args, **kwargs) -> jax.stages.Lowered:
     """The `jax.stages.Lowered` of the program that runs: the rewritten
-    one, or jax.jit's where jlms failed."""
-    return self._program_for(args, kwargs).lower(*args, **kwargs)
+    one, or jax.jit's where jlms failed. State kept on host is taken from
+    pinned host memory, as on a GPU, even from abstract arguments of
+    compile-only devices (which carry no memory kind)."""
+    program = self._program_for(args, kwargs)
+    if program is self._jitted:
+      analysis = self._analysis(args, kwargs)[0]
+      if analysis.failure is None and analysis.state:
+        # Lowered for the state in pinned host memory, as `__call__` runs
+        # it (never a device argument donated to a host output).
+        args, kwargs, unmarked = self._placed_abstractly(
+            args, kwargs, analysis.state.inputs)
+        lowered = program.lower(*args, **kwargs)
+        if unmarked:
+          _compat.mark_host_arguments(lowered, unmarked)
+        return lowered
+    return program.lower(*args, **kwargs)
+
+  def _placed_abstractly(self, args, kwargs, positions):
+    """`args` and `kwargs` with the leaves at `positions` as abstract
+    arrays in pinned host memory, and the positions among them whose
+    devices drop that memory kind (compile-only devices: their lowering
+    is marked instead)."""
+    split = self._split(args, kwargs)
+    leaves = list(split.leaves)
+    unmarked = []
+    for i in positions:
+      leaf = leaves[i]
+      sharding = getattr(leaf, "sharding", None)
+      if not isinstance(sharding, jax.sharding.Sharding):
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      sharding = sharding.with_memory_kind("pinned_host")
+      if sharding.memory_kind != "pinned_host":
+        unmarked.append(i)
+      leaves[i] = jax.ShapeDtypeStruct(
+          leaf.shape, leaf.dtype, sharding=sharding,
+          weak_type=getattr(leaf, "weak_type", False))
+    dyn_args, dyn_kwargs = jax.tree.unflatten(split.treedef, leaves)
+    full_args = list(dyn_args)
+    for i, value in split.static_args:
+      full_args[i] = value
+    return (tuple(full_args), {**dyn_kwargs, **dict(split.static_kwargs)},
+            tuple(unmarked))
+
+  def place(self, *args, **kwargs):
+    """The arguments (`args`, or `(args, kwargs)` when keywords are given)
+    with each leaf in the memory the step takes it
+    from: the state that the plan keeps on host copied to pinned host
+    memory (by one jitted copy per leaf's device set, far faster than
+    `jax.device_put` to host outside jit), everything else as it is. Call
+    it once before the first step; the step returns the state where it
+    takes it."""
+    analysis = self._runnable_analysis(args, kwargs)
+    if not analysis.state:
+      return args, kwargs
+    split = self._split(args, kwargs)
+    leaves = list(split.leaves)
+    moved = [i for i in analysis.state.inputs
+             if isinstance(leaves[i], jax.Array)
+             and leaves[i].sharding.memory_kind != "pinned_host"]
+    if moved:
+      copied = _to_pinned_host([leaves[i] for i in moved])
+      for i, leaf in zip(moved, copied):
+        leaves[i] = leaf
+    dyn_args, dyn_kwargs = jax.tree.unflatten(split.treedef, leaves)
+    full_args = list(dyn_args)
+    for i, value in split.static_args:
+      full_args[i] = value
+    if not kwargs:
+      return tuple(full_args)
+    return tuple(full_args), {**dyn_kwargs, **dict(split.static_kwargs)}
 
   def trace(self, *args, **kwargs) -> jax.stages.Traced:
     return self._program_for(args, kwargs).trace(*args, **kwargs)
@@ -376,7 +522,7 @@ class OffloadedStep:
     try:
       # Traced under a jit so that the jaxpr carries the params of a nested
       # jit equation: the rewritten program is staged as one such equation.
-      closed = jax.make_jaxpr(jax.jit(flat_fun))(*leaves)
+      closed = jax.make_jaxpr(jax.jit(flat_fun))(*traceable(leaves))
     except jax.errors.JAXTypeError as e:
       e.add_note("jlms.offload traces the step like jax.jit does: it must be "
                  "jittable (mark Python-valued arguments static with "
@@ -384,7 +530,8 @@ class OffloadedStep:
       raise
     try:
       analysis = self._planned(closed, leaves, out_trees,
-                               self._donated_leaves(args, kwargs))
+                               self._donated_leaves(args, kwargs),
+                               split.treedef, host_positions(leaves))
     except _NOT_FALLEN_BACK_FROM:
       raise
     except Exception as error:  # jlms's failure, not the step's
@@ -395,21 +542,30 @@ class OffloadedStep:
       self._analyses.popitem(last=False)
     return analysis, leaves
 
-  def _planned(self, closed, leaves, out_trees, donated=()) -> _Analysis:
+  def _planned(self, closed, leaves, out_trees, donated=(),
+               treedef=None, arrived_on_host=()) -> _Analysis:
     """The analysis of the step traced as `closed`: its plan and the
     program that runs."""
     jit_params, debug_info = _compat.call_template(closed)
+    program = flatten(closed)
     plain = dataclasses.replace(
-        _Analysed.of(flatten(closed)),
-        traced=_compat.call_body_closed(closed.jaxpr.eqns[0]))
+        _Analysed.of(program),
+        traced=_compat.call_body_closed(closed.jaxpr.eqns[0]),
+        argument_names=_argument_names(program, treedef, leaves))
     baseline = simulate(plain.program, plain.liveness, fusion=plain.fusion)
     if self.budget is KNOBS:
       analysis = self._apply_knobs(plain, baseline, jit_params, debug_info,
                                    out_trees)
     else:
       analysis = self._fit_budget(plain, baseline, jit_params, debug_info,
-                                  leaves, out_trees, donated)
-    return dataclasses.replace(analysis, plain=plain)
+                                  leaves, out_trees, donated,
+                                  arrived_on_host)
+    analysis = dataclasses.replace(analysis, plain=plain)
+    if analysis.plan is not None and treedef is not None:
+      analysis = dataclasses.replace(analysis, plan=_with_kinds(
+          analysis.plan, analysis.state, plain.program, treedef,
+          out_trees[-1]))
+    return analysis
 
   def _planning_failed(self, error: Exception,
                        needs_plan: bool = False) -> _Analysis:
@@ -494,20 +650,30 @@ class OffloadedStep:
         program, offloads, config, debug_info, fusion=fusion,
         serialized=_serialized(program, liveness, config, fusion))
 
-  def _confirm_target(self) -> str | None:
-    """Where XLA confirms a budget: the named target, else the local GPU,
-    else nowhere (a CPU has no GPU compiler to ask)."""
+  def _confirm_target(self, leaves=()) -> str | None:
+    """Where XLA confirms a budget: the named target, else (for the
+    device's memory) the GPU target whose compile-only devices the
+    arguments `leaves` are placed on, else the local GPU, else nowhere (a
+    CPU has no GPU compiler to ask)."""
     if self.target is not None:
       return self.target
+    # The device's memory, with arguments on a target's devices: that one.
+    placed_on = target_of_arguments(leaves) if self.budget is DEVICE else None
+    if placed_on is not None:
+      return placed_on
     return "local" if jax.default_backend() == "gpu" else None
 
   @staticmethod
-  def _xla_peak(jit_params, rewritten, abstract, target, donated=()) -> int:
+  def _xla_peak(jit_params, rewritten, abstract, target, donated=(),
+                host_inputs=()) -> int:
     """XLA's peak of `rewritten` on `target`, its `donated` leaves donated
-    as the step donates them (XLA reuses their buffers for outputs)."""
+    as the step donates them (XLA reuses their buffers for outputs), its
+    `host_inputs` leaves taken from pinned host memory."""
     def program_fn(*leaves):
-      return _compat.bind_jit(jit_params, rewritten, leaves)
-    return xla_memory(jax.jit(program_fn, donate_argnums=donated), *abstract,
+      return _compat.bind_jit(jit_params, rewritten,
+                              _placed_for(leaves, host_inputs))
+    jitted = jax.jit(program_fn, donate_argnums=donated)
+    return xla_memory(_HostArguments(jitted, host_inputs), *abstract,
                       target=target).peak_bytes
 
   def _donated_leaves(self, args, kwargs) -> tuple[int, ...]:
@@ -535,7 +701,7 @@ class OffloadedStep:
                         lambda: target_memory_bytes(target or "local"))
 
   def _fit_budget(self, plain, baseline, jit_params, debug_info, leaves,
-                  out_trees, donated=()) -> _Analysis:
+                  out_trees, donated=(), arrived_on_host=()) -> _Analysis:
     """The fastest plan whose peak fits the budget: `jlms._fit` chooses per
     value with the simulator and the time model; XLA (on `target`, else on
     the local GPU) confirms the peak, and the choice is made again for a
@@ -543,7 +709,7 @@ class OffloadedStep:
     budget is per device: XLA compiles the step with the shardings of
     `leaves`."""
     plain_program, plain_liveness = plain.program, plain.liveness
-    target = self._confirm_target()
+    target = self._confirm_target(leaves)
     budget = self._budget_bytes(target)
     if self.budget is DEVICE and budget is None:
       log.info("jlms: no GPU here and no target named: the step runs as "
@@ -556,6 +722,11 @@ class OffloadedStep:
              "take %s", len(plain_program), len(plain_program.avals),
              format_bytes(sum(plain_liveness.nbytes[v]
                               for v in plain_program.invars)))
+    levels = self._state_levels(plain, donated, budget, arrived_on_host)
+    if levels[0].state:  # asked for, or the least memory: never as it is
+      return self._search_levels(levels, baseline, jit_params, debug_info,
+                                 leaves, out_trees, target, budget, avals,
+                                 abstract, None, donated)
     plain_peak = None
     if budget is not None and baseline.peak_bytes <= budget and target is None:
       log.info("jlms: the step fits %s as it is (predicted %s); nothing is "
@@ -576,24 +747,79 @@ class OffloadedStep:
                  format_bytes(budget))
         return self._as_is(plain, baseline, jit_params, debug_info,
                            out_trees, budget, (plain_peak, target))
-    try:
-      analysis = self._search_budget(plain, baseline, jit_params, debug_info,
-                                     leaves, out_trees, target, budget,
-                                     avals, abstract, plain_peak, donated)
-    except _NOT_FALLEN_BACK_FROM:
-      raise
-    except Exception as error:
-      if budget is None:
+    return self._search_levels(levels, baseline, jit_params, debug_info,
+                               leaves, out_trees, target, budget, avals,
+                               abstract, plain_peak, donated)
+
+  def _search_levels(self, levels, baseline, jit_params, debug_info, leaves,
+                     out_trees, target, budget, avals, abstract, plain_peak,
+                     donated) -> _Analysis:
+    """`_search_budget` for each way of placing the state (`levels`, all
+    on the device first, then the optimizer's moments on host, then all of
+    it), until one fits; the budget's error if none does."""
+    for number, plain in enumerate(levels):
+      last = number == len(levels) - 1
+      try:
+        analysis = self._search_budget(
+            plain, baseline, jit_params, debug_info, leaves, out_trees,
+            target, budget, avals, abstract, plain_peak, donated,
+            ask_xla_when_refused=last)
+        break
+      except BudgetError as error:
+        if last:
+          raise
+        log.info("jlms: %s; trying with %d state leaves (%s) on host",
+                 error, len(levels[number + 1].state.inputs),
+                 format_bytes(_state_bytes(levels[number + 1])))
+      except _NOT_FALLEN_BACK_FROM:
         raise
-      raise _PlanNeeded(budget) from error
+      except Exception as error:
+        if budget is None:
+          raise
+        raise _PlanNeeded(budget) from error
     # The step does not fit the budget as it is: jax.jit's program won't do.
     return dataclasses.replace(analysis, needs_plan=budget is not None)
 
+  def _state_levels(self, plain, donated, budget, arrived_on_host=()
+                    ) -> list:
+    """The ways to place the step's state that `_search_levels` tries, as
+    the step's analysis with that `state`: the state on the device alone
+    unless `state_on_host` says otherwise; all of it on host when asked
+    for, or for the least memory."""
+    if self.state_on_host is False or not donated:
+      return [plain]
+    program, liveness = plain.program, plain.liveness
+    pairs = state_pairs(program, donated)
+    on_host = [(i, o) for i, o in pairs if i in arrived_on_host]
+    if on_host:  # placed there (by `place`, or by a step): they stay
+      return [dataclasses.replace(plain, state=HostState(
+          tuple(i for i, _ in on_host), tuple(o for _, o in on_host)))]
+    least = self._min_bytes(budget)
+    everything = host_state(program, liveness, pairs, min_bytes=least)
+    if not everything:
+      if self.state_on_host:
+        log.warning("jlms: no donated argument of %s is returned updated "
+                    "(of the same shape and dtype): no state to keep on host",
+                    self._name)
+      return [plain]
+    if self.state_on_host or budget is None:
+      return [dataclasses.replace(plain, state=everything)]
+    levels = [plain]
+    moments = host_state(program, liveness, pairs, min_bytes=least,
+                         only_update_read=True)
+    if moments and moments != everything:
+      levels.append(dataclasses.replace(plain, state=moments))
+    levels.append(dataclasses.replace(plain, state=everything))
+    return levels
+
   def _search_budget(self, plain, baseline, jit_params, debug_info, leaves,
                      out_trees, target, budget, avals, abstract,
-                     plain_peak, donated=()) -> _Analysis:
+                     plain_peak, donated=(),
+                     ask_xla_when_refused=True) -> _Analysis:
     """`_fit_budget`'s search, once the step is known not to fit as it is
-    (or the budget is the least memory): the fit, confirmed by XLA."""
+    (or the budget is the least memory): the fit, confirmed by XLA. Where
+    the simulator finds no plan, XLA is asked about the least-memory one
+    only `ask_xla_when_refused`."""
     plain_program, plain_liveness = plain.program, plain.liveness
     searched = budget
     unseen = unseen_split(avals, leaves)
@@ -613,7 +839,8 @@ class OffloadedStep:
       placed, residuals, result = self._fastest_fit(plain, searched, times)
       simulator_refused = False
     except BudgetError as error:
-      if target is None or budget is None or error.smallest_bytes is None:
+      if (target is None or budget is None or error.smallest_bytes is None
+          or not ask_xla_when_refused):
         raise
       # The simulator overstates some peaks (a loop body's working memory
       # most): XLA says whether jlms's least-memory plan fits after all.
@@ -623,7 +850,7 @@ class OffloadedStep:
       searched = result.timeline.peak_bytes
       simulator_refused = True
     if (not result.offloads and placed is self._placed_variants(plain)[0][0]
-        and budget is None):
+        and budget is None and not plain.state):
       # As little memory as jlms reaches is the step as it is.
       return self._as_is(plain, baseline, jit_params, debug_info, out_trees,
                          budget, None)
@@ -637,7 +864,8 @@ class OffloadedStep:
           serialized=_serialized(placed.program, placed.liveness, config,
                                  placed.fusion))
 
-    if budget is None and result.timeline.peak_bytes >= baseline.peak_bytes:
+    if (budget is None and result.timeline.peak_bytes >= baseline.peak_bytes
+        and not plain.state):
       return self._as_is(
           plain, baseline, jit_params, debug_info, out_trees, budget, None,
           reason="jlms's least-memory plan is predicted to peak at "
@@ -648,14 +876,14 @@ class OffloadedStep:
     measured = least_peak = None
     if target is not None:
       measured = self._xla_peak(jit_params, rewritten, abstract, target,
-                                donated)
+                                donated, plain.state.inputs)
       smallest = measured
       if simulator_refused:  # the plan in hand is the least-memory one
         least_peak = measured
       log.info("jlms: XLA's peak on %s: %s (budget %s)", target,
                format_bytes(measured),
                "none" if budget is None else format_bytes(budget))
-    if budget is None and measured is not None:
+    if budget is None and measured is not None and not plain.state:
       # A plan XLA finds no smaller than jax.jit's program is not applied.
       as_is, _ = self._rewrite(plain_program, plain_liveness, (),
                                self.config, debug_info, plain.fusion)
@@ -678,7 +906,7 @@ class OffloadedStep:
           least_rewritten, least_without_copies = rewritten_of(least[0],
                                                                least[2])
           least_peak = self._xla_peak(jit_params, least_rewritten, abstract,
-                                      target, donated)
+                                      target, donated, plain.state.inputs)
           smallest = min(smallest, least_peak)
           compiles += 1
           log.info("jlms: XLA's peak on %s of the least-memory plan: %s",
@@ -697,13 +925,14 @@ class OffloadedStep:
       try:
         result = fit(placed.program, placed.liveness, searched, times,
                      self._min_bytes(searched), placed.fusion, residuals,
-                     self._host_budget_bytes())
+                     self._host_budget_bytes(),
+                     state_copies=placed.state_copies)
       except BudgetError:
         simulator_refused = True  # no smaller plan of this kind: say so
         continue
       rewritten, without_copies = rewritten_of(placed, result)
       measured = self._xla_peak(jit_params, rewritten, abstract, target,
-                                donated)
+                                donated, plain.state.inputs)
       smallest = min(smallest, measured)
       compiles += 1
       log.info("jlms: XLA's peak on %s: %s (budget %s)", target,
@@ -723,7 +952,7 @@ class OffloadedStep:
         candidate, candidate_without_copies = rewritten_of(faster[0],
                                                            faster[2])
         peak = self._xla_peak(jit_params, candidate, abstract, target,
-                              donated)
+                              donated, plain.state.inputs)
         log.info("jlms: XLA's peak on %s of a faster plan: %s", target,
                  format_bytes(peak))
         if peak <= budget:
@@ -742,7 +971,7 @@ class OffloadedStep:
         time_target=times.name)
     return _Analysis(placed.program, result.offloads, plan, out_trees[-1],
                      rewritten, jit_params,
-                     rewrite_without_copies=without_copies)
+                     rewrite_without_copies=without_copies, state=plain.state)
 
   def _fastest_fit(self, plain, budget, times):
     """(placed program, streamed residuals, `jlms._fit.Fit`) of the fastest
@@ -754,7 +983,8 @@ class OffloadedStep:
       try:
         result = fit(placed.program, placed.liveness, budget, times,
                      self._min_bytes(budget), placed.fusion, residuals,
-                     self._host_budget_bytes())
+                     self._host_budget_bytes(),
+                     state_copies=placed.state_copies)
       except BudgetError as error:
         # The variant that gets closest names the smallest peak reachable.
         if last_error is None or (error.smallest_bytes
@@ -762,12 +992,16 @@ class OffloadedStep:
           last_error = error
         continue
       log.info("jlms: %s: predicted %s", loops, result.step_time.describe())
-      # The fastest that fits; for the least memory, the smallest peak.
-      rank = ((result.timeline.peak_bytes, result.step_time.total_s)
-              if budget is None else (result.step_time.total_s,))
-      fitted.append((rank, len(fitted), placed, residuals, result))
+      fitted.append(((result.step_time.total_s,), len(fitted), placed,
+                     residuals, result))
     if not fitted:
       raise last_error
+    if budget is None:
+      # The least memory: the fastest of the ways within 1% of the
+      # smallest peak (a few MiB less is not worth many times the time).
+      least = min(f[-1].timeline.peak_bytes for f in fitted)
+      fitted = [f for f in fitted
+                if f[-1].timeline.peak_bytes <= least * _LEAST_PEAK_SLACK]
     _, _, placed, residuals, result = min(fitted)
     return placed, residuals, result
 
@@ -778,10 +1012,22 @@ class OffloadedStep:
     if cached is None or cached[0] is not plain:
       variants = []
       for program, liveness, residuals, loops in self._programs_to_fit(plain):
+        copies = ()
+        if plain.state:
+          program, copies, residuals = keep_state_on_host(
+              program, plain.state, residuals, plain.argument_names)
+          liveness = analyse(program)
+          loops += f", {len(plain.state.inputs)} state leaves on host"
+        elif residuals:
+          program = offload_scan_residuals(program, residuals)
+          liveness = analyse(program)
         fusion = (plain.fusion if program is plain.program
                   else analyse_fusion(program, liveness))
-        placed = _Analysed.of(place_fused_at_readers(program, liveness,
-                                                     fusion))
+        placed_program = place_fused_at_readers(program, liveness, fusion)
+        residuals, copies = _reindexed(program, placed_program, residuals,
+                                       copies)
+        placed = dataclasses.replace(_Analysed.of(placed_program),
+                                     state=plain.state, state_copies=copies)
         variants.append((placed, residuals, loops))
       cached = self._variants[id(plain)] = (plain, tuple(variants))
       if len(self._variants) > _CACHE_SIZE:
@@ -814,10 +1060,11 @@ class OffloadedStep:
     return max(4096, (budget or 0) >> 16)
 
   def _programs_to_fit(self, plain):
-    """(program, liveness, streamed residuals, description) of each way the
-    step's scans can run: as they are; with the residuals a forward scan
-    stacks for a backward one remade inside the backward loop; streamed
-    through host one slice per iteration."""
+    """(program, liveness, residuals to stream, description) of each way
+    the step's scans can run: as they are; with the residuals a forward
+    scan stacks for a backward one remade inside the backward loop;
+    streamed through host one slice per iteration (the program as it is,
+    with the residuals that `_placed_variants` streams)."""
     plain_program, plain_liveness = plain.program, plain.liveness
     yield plain_program, plain_liveness, (), "loops as they are"
     if not self.config.scan_residuals:
@@ -849,9 +1096,8 @@ class OffloadedStep:
     residuals = find_scan_residuals(base_program, base_liveness,
                                     dataclasses.replace(
                                         self.config, swapout_threshold=2))
-    if residuals:
-      program = offload_scan_residuals(base_program, residuals)
-      yield (program, analyse(program), residuals,
+    if residuals:  # streamed by `_placed_variants`
+      yield (base_program, base_liveness, residuals,
              f"{len(residuals)} scan residuals streamed through host")
 
   def _as_is(self, plain, baseline, jit_params, debug_info, out_trees, budget,
@@ -878,7 +1124,7 @@ class OffloadedStep:
     if analysis.failure is None:
       try:
         outs = _compat.bind_jit(analysis.jit_params, analysis.rewritten,
-                                leaves)
+                                _placed_for(leaves, analysis.state.inputs))
         return jax.tree.unflatten(analysis.out_tree, outs)
       except Exception as error:  # staging jlms's program: jlms's failure
         self._analyses[self._signature(args, kwargs)] = (
@@ -912,11 +1158,13 @@ def _refused(budget, target, plain_peak, least_peak, smallest,
   """The error of a budget XLA finds no plan under. Its minimum is the
   smaller of jax.jit's program's peak and jlms's least-memory plan's: a
   budget search for that much tries both, so it fits."""
-  minimum = min(plain_peak, least_peak)
+  minimum = least_peak if plain_peak is None else min(plain_peak, least_peak)
+  as_it_is = ("" if plain_peak is None else
+              f"{format_bytes(plain_peak)} for jax.jit's program and ")
   error = BudgetError(
       f"jlms: the step does not fit a budget of {format_bytes(budget)} on "
-      f"{target}: XLA's peak is {format_bytes(plain_peak)} for jax.jit's "
-      f"program and {format_bytes(least_peak)} with jlms's least-memory "
+      f"{target}: XLA's peak is {as_it_is}"
+      f"{format_bytes(least_peak)} with jlms's least-memory "
       f"plan (XLA compiled {compiles} jlms "
       f"{'plan' if compiles == 1 else 'plans'}, the smallest peaking at "
       f"{format_bytes(smallest)}); raise the budget to at least "
@@ -956,7 +1204,8 @@ def offload(fun: Callable | None = None, *,
             budget: int | str | None = None,
             target: str | None = None,
             host_budget: int | str | None = None,
-            strict: bool = False):
+            strict: bool = False,
+            state_on_host: bool | None = None):
   """Wraps a train step so that it fits a device memory budget in the least
   time it can.
 
@@ -1031,6 +1280,15 @@ def offload(fun: Callable | None = None, *,
       bytes, as a size or a percentage, or the device's memory when the
       step does not fit it), where `jlms.OffloadError` is raised. True:
       `jlms.OffloadError` is raised, from the failure.
+    state_on_host: where the step's state lives between steps: the
+      donated arguments that the step returns updated (parameters,
+      optimizer state). True: in pinned host memory; each stacked layer's
+      slice comes to the device when a scan reads it, the optimizer's
+      update runs one leading slice at a time, and the updated state goes
+      back to host (`OffloadedStep.place` puts a state there before the
+      first call). None (default): only where the budget cannot be met
+      otherwise (the optimizer's moments first, then all of it) and for
+      `budget="min"`. False: never.
 
   Returns:
     An `OffloadedStep`: call it like the step; `.lower(...)`, `.trace(...)`
@@ -1052,7 +1310,110 @@ def offload(fun: Callable | None = None, *,
                      donate_argnums=donate_argnums,
                      donate_argnames=donate_argnames, verify=verify,
                      budget=budget, target=target, min_bytes_given=min_bytes,
-                     host_budget=host_budget, strict=strict)
+                     host_budget=host_budget, strict=strict,
+                     state_on_host=state_on_host)
   if fun is None:
     return lambda f: OffloadedStep(f, config, **jit_options)
   return OffloadedStep(fun, config, **jit_options)
+
+
+def _placed_for(leaves, positions) -> list:
+  """`leaves` where the program takes them: those at `positions` (state
+  kept on host) in pinned host memory, copied there first where one
+  arrives on the device (inside the step: a no-op for XLA where the
+  argument is laid out on host, see `OffloadedStep.lower`); any other
+  that arrives in host memory copied to the device."""
+  leaves = list(leaves)
+  state = set(positions)
+  for i, leaf in enumerate(leaves):
+    on_host = _compat.is_host_aval(_compat.abstractify(leaf))
+    if i in state and not on_host:
+      leaves[i] = jax.device_put(leaf, jax.memory.Space.Host)
+    elif i not in state and on_host:
+      leaves[i] = jax.device_put(leaf, jax.memory.Space.Device)
+  return leaves
+
+
+class _HostArguments:
+  """A jitted function whose `lower` marks the arguments at `positions`
+  as taken from pinned host memory (see `_compat.mark_host_arguments`)."""
+
+  def __init__(self, jitted, positions):
+    self._jitted, self._positions = jitted, tuple(positions)
+
+  def lower(self, *args, **kwargs):
+    lowered = self._jitted.lower(*args, **kwargs)
+    if self._positions:
+      _compat.mark_host_arguments(lowered, self._positions)
+    return lowered
+
+
+@functools.lru_cache(maxsize=None)
+def _pinned_host_copy(shardings):
+  return jax.jit(lambda *xs: xs, out_shardings=tuple(
+      s.with_memory_kind("pinned_host") for s in shardings))
+
+
+def _to_pinned_host(arrays) -> list:
+  """Copies of `arrays` in pinned host memory, by one jitted copy."""
+  shardings = tuple(x.sharding for x in arrays)
+  return list(_pinned_host_copy(shardings)(*arrays))
+
+
+def _reindexed(program, placed, residuals, copies):
+  """`residuals` and state `copies` indexed in `placed`, the program that
+  `place_fused_at_readers` made of `program` (it moves fused equations,
+  not loops or copies)."""
+  new_index = {id(e.eqn): i for i, e in enumerate(placed.equations)}
+  end = len(placed)
+
+  def moved(index):
+    if index is None:
+      return None
+    if index >= len(program):
+      return end
+    return new_index.get(id(program.equations[index].eqn), index)
+
+  residuals = tuple(dataclasses.replace(
+      r, producer=moved(r.producer),
+      readers=tuple(moved(i) for i in r.readers)) for r in residuals)
+  copies = tuple(dataclasses.replace(c, index=moved(c.index))
+                 for c in copies)
+  return residuals, copies
+
+
+def _argument_names(program, treedef, leaves) -> dict:
+  """value id -> the path of each input leaf in the step's arguments
+  ("[0]['blocks']['Dense_0']['kernel']": argument 0's)."""
+  if treedef is None:
+    return {}
+  tree = jax.tree.unflatten(treedef, list(range(len(leaves))))
+  names = {}
+  for path, position in jax.tree_util.tree_leaves_with_path(tree):
+    # The first key picks the positional arguments or the keywords.
+    names[program.invars[position]] = (
+        jax.tree_util.keystr(tuple(path[1:])) or f"argument {position}")
+  return names
+
+
+def _state_bytes(plain) -> int:
+  return sum(aval_nbytes(plain.program.avals[plain.program.invars[i]])
+             for i in plain.state.inputs)
+
+
+def _with_kinds(plan, state, program, treedef, out_tree):
+  """`plan` with `argument_kinds` and `output_kinds`: pytrees shaped like
+  the step's (dynamic) arguments and outputs, each leaf "device" or
+  "pinned_host", and the bytes of state on host."""
+  host_in, host_out = set(state.inputs), set(state.outputs)
+  in_kinds = ["pinned_host" if i in host_in else "device"
+              for i in range(len(program.invars))]
+  out_kinds = ["pinned_host" if i in host_out else "device"
+               for i in range(len(program.outvars))]
+  args, kwargs = jax.tree.unflatten(treedef, in_kinds)
+  return dataclasses.replace(
+      plan, argument_kinds=(args, kwargs) if kwargs else args,
+      output_kinds=jax.tree.unflatten(out_tree, out_kinds),
+      state_host_bytes=sum(aval_nbytes(program.avals[program.invars[i]])
+                           for i in state.inputs),
+      state_leaves=len(state.inputs))

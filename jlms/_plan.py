@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -118,6 +118,14 @@ class Plan:
   # Why a plan that was made runs as jax.jit's program instead (it would
   # not lower the peak); None when it is applied or none was sought.
   not_applied: str | None = None
+  # Where the step takes each argument from and gives each output back
+  # (`jlms._state`): pytrees shaped like its dynamic arguments (a pair
+  # with the keywords' when it has some) and its outputs, each leaf
+  # "device" or "pinned_host". None before the arguments are known.
+  argument_kinds: Any = dataclasses.field(default=None, repr=False)
+  output_kinds: Any = dataclasses.field(default=None, repr=False)
+  state_leaves: int = 0  # state leaves kept on host between steps
+  state_host_bytes: int = 0  # their bytes
 
   @functools.cached_property
   def _predicted_times(self) -> tuple[StepTime | None, StepTime | None]:
@@ -216,6 +224,12 @@ class Plan:
           f"jlms: {len(streamed)} of them are scan residuals "
           f"({format_bytes(sum(v.nbytes for v in streamed))}), moved one "
           "slice per iteration inside the loops (marked *)")
+    if self.state_leaves:
+      lines.append(
+          f"jlms: {self.state_leaves} state leaves "
+          f"({format_bytes(self.state_host_bytes)}) live in pinned host "
+          "memory between steps: read slice by slice where the scans read "
+          "them, updated one slice at a time, written back to host")
     if self.serialized:
       lines.append(f"jlms: {self.serialized} equations serialized (chained "
                    "by barriers)")
@@ -225,7 +239,8 @@ class Plan:
           f" without offloading, {format_bytes(self.predicted_peak_bytes)} "
           f"with it; host {format_bytes(self.predicted_host_bytes)}")
     if self.budget_bytes is not None:
-      verdict = ("fits without offloading" if not self.offloaded
+      verdict = ("fits without offloading"
+                 if not self.offloaded and not self.state_leaves
                  else "fitted")
       lines.append(f"jlms: budget {format_bytes(self.budget_bytes)}: {verdict}")
     if self.not_applied is not None:
@@ -274,6 +289,8 @@ def build_plan(program: Program, liveness: Liveness,
         recomputed=offload.is_recompute,
     ))
   for residual in residuals:
+    if residual.producer is None:  # state on host: `Plan.state_leaves`
+      continue
     aval = program.avals[residual.value]
     producer = program.equations[residual.producer]
     values.append(OffloadedValue(

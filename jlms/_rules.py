@@ -44,6 +44,12 @@ class PrimitiveRule:
   relayout_only: bool = False
   #: A call whose body XLA inlines: as fusible as that body.
   transparent_call: bool = False
+  #: Each element of its result is computed from the elements at the same
+  #: index of its operands (rank-0 operands broadcast), whatever the shape:
+  #: it computes the same on one slice of its operands as on all of them,
+  #: so a loop can run it slice by slice (an optimizer's update streamed
+  #: through state on host, `jlms._state`).
+  pointwise: bool = False
 
 
 OPAQUE = PrimitiveRule()
@@ -62,6 +68,10 @@ _ELEMENTWISE = (
     "population_count", "nextafter", "conj", "complex", "lgamma", "digamma",
     # new in JAX 0.12: tanh's derivative is `one_minus_square(tanh(x))`
     "log2", "one_minus_square", "polynomial")
+# Of those, the ones that act element by element, with no shape parameter.
+_POINTWISE = tuple(name for name in _ELEMENTWISE if name not in (
+    "concatenate", "iota", "pad", "rev", "slice")) + (
+        "convert_element_type", "add_jaxvals")
 _RELAYOUT = ("transpose", "reshape", "broadcast_in_dim", "squeeze",
              "convert_element_type")
 _COSTLY = (
@@ -97,6 +107,7 @@ def _table() -> types.MappingProxyType:
   # 0.8 GiB above the simulator's peak, so XLA keeps it there.
   add(_ACCUMULATIONS, takes_fused_expansions=True, takes_fused_operands=True)
   add(_TRANSPARENT_CALLS, transparent_call=True)
+  add(_POINTWISE, pointwise=True)
   return types.MappingProxyType(rules)
 
 

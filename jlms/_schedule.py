@@ -61,9 +61,10 @@ class StepTime:
 def predict_step_time(program: Program, liveness: Liveness,
                       kernel_s: np.ndarray, offloads=(), target: GpuTarget
                       = None, sync_mode: SyncMode = SyncMode.SWAP_OUT,
-                      residuals=()) -> StepTime:
+                      residuals=(), state_copies=()) -> StepTime:
   """The `StepTime` of `program` run with `offloads` (and scan `residuals`
-  streamed through host) on `target`."""
+  streamed through host, and the `jlms._state.StateCopy`s of state kept on
+  host) on `target`."""
   n = len(program)
   sync_out = bool(sync_mode & SyncMode.SWAP_OUT)
   sync_in = bool(sync_mode & SyncMode.SWAP_IN)
@@ -97,14 +98,22 @@ def predict_step_time(program: Program, liveness: Liveness,
         waits[min(swap_in.issue_before, n)].append(key)
 
   streamed = collections.defaultdict(float)  # loop index -> copy seconds
+  d2h = h2d = 0
   for residual in residuals:
     size = aval_nbytes(program.avals[residual.value])
-    streamed[residual.producer] += target.transfer_seconds(size)
+    if residual.producer is not None:  # else on host before the step
+      streamed[residual.producer] += target.transfer_seconds(size)
+      d2h += size
     for reader in residual.readers:
       streamed[reader] += target.transfer_seconds(size)
-  d2h = sum(aval_nbytes(program.avals[r.value]) for r in residuals)
-  h2d = sum(aval_nbytes(program.avals[r.value]) * len(r.readers)
-            for r in residuals)
+    h2d += size * len(residual.readers)
+  for copy in state_copies:
+    # Each direction has its engine: the slower one is what the loop (or
+    # the copy of a whole leaf) waits for.
+    streamed[copy.index] += max(target.transfer_seconds(copy.to_device),
+                                target.transfer_seconds(copy.to_host))
+    d2h += copy.to_host
+    h2d += copy.to_device
 
   t = 0.0
   exposed = 0.0

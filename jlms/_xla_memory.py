@@ -287,6 +287,24 @@ def _topology_of_arguments(target: str, tree: Any) -> str:
     return "1x1x1"
 
 
+def target_of_arguments(tree: Any) -> str | None:
+    """The GPU target whose compile-only devices (from `target_devices`)
+    hold every sharded array of `tree`; None when they are not all on one
+    target's (arrays of this machine, or no sharding at all)."""
+    used: set = set()
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.Sharding):
+            used |= set(sharding.device_set)
+    if not used:
+        return None
+    for target, made in _TOPOLOGIES_MADE.items():
+        for topology in made:
+            if used <= set(_gpu_topology(target, topology).devices):
+                return target
+    return None
+
+
 def _why_no_cuda_topology() -> str:
     # jax reports both causes with the same "topology not implemented for
     # cuda", so tell them apart by what is installed and configured.

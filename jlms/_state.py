@@ -1,0 +1,506 @@
+"""The step's state kept in pinned host memory between steps.
+
+A train step takes its state (parameters, optimizer state) and returns it
+updated; donated, each input buffer is reused for its update. Here the
+state lives in pinned host memory before and after the step, and the step
+brings to the device only what it computes on at the time:
+
+- a stacked leaf that a scan reads one slice per iteration (the layers of
+  an `nn.scan`, forward and backward) is read from host one slice per
+  iteration, as streamed scan residuals are (`jlms._loops`);
+- the optimizer's update of a leaf, a run of pointwise equations on arrays
+  of the leaf's shape, runs as a loop over the leaf's leading axis: each
+  iteration copies one slice of the state in, updates it, and copies the
+  updated slice to the host output; the gradient is read slice by slice
+  where it is on the device;
+- any other read takes a device copy of the whole leaf just before it;
+- an updated leaf not made on host by such a loop is copied there as soon
+  as it is made.
+
+Device memory then holds a slice or two of each leaf at a time, not the
+state. Pure analyses (`state_pairs`, `host_state`, `state_scan_reads`)
+and one rewrite (`keep_state_on_host`) over `jlms._program.Program`.
+
+Guarantees: the rewritten program computes exactly the same values (copies
+are exact, and a pointwise equation computes on a slice what it computes
+on that slice of the whole); its state inputs and outputs, and nothing
+else, change memory space; each `StateCopy` says where the program moves
+how many bytes of state each way, for the time model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+
+from jlms import _compat, _rules
+from jlms._liveness import Liveness, aval_nbytes, analyse
+from jlms._loops import (ScanResidual, offload_scan_residuals,
+                         with_host_inputs, with_host_outputs)
+from jlms._names import profile_scope
+from jlms._program import Const, Equation, Program
+
+# The leading axis a leaf's update loop runs over: at least 2 iterations
+# (XLA refuses a one-slice host stack, see `jlms._loops`), at most this
+# many (an embedding table's rows would make a loop of tens of thousands
+# of tiny iterations; such a leaf is copied whole instead).
+_MAX_LOOP_LENGTH = 4096
+# A leaf smaller than this is copied whole: a loop buys nothing.
+_MIN_STREAMED_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class HostState:
+  """Which of a program's inputs and outputs are state on host."""
+  inputs: tuple[int, ...]  # positions among the program's inputs
+  outputs: tuple[int, ...]  # positions among its outputs, pairwise
+
+  def __bool__(self) -> bool:
+    return bool(self.inputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateCopy:
+  """State bytes moved where equation `index` of the rewritten program
+  runs (a whole-leaf copy, or a loop that streams slices)."""
+  index: int
+  to_device: int
+  to_host: int
+
+
+def state_pairs(program: Program, donated: Sequence[int]
+                ) -> tuple[tuple[int, int], ...]:
+  """(input position, output position) of each donated input that the
+  step returns updated: each donated input, in order, with the first
+  output not yet taken of the same shape and dtype, as XLA aliases a
+  donated buffer to an output."""
+  taken: set[int] = set()
+  pairs = []
+  for position in donated:
+    aval = program.avals[program.invars[position]]
+    for out_position, atom in enumerate(program.outvars):
+      if out_position in taken or not isinstance(atom, int):
+        continue
+      out = program.avals[atom]
+      if (out.shape == aval.shape and out.dtype == aval.dtype
+          and _compat.has_plain_layout(aval)):
+        taken.add(out_position)
+        pairs.append((position, out_position))
+        break
+  return tuple(pairs)
+
+
+def update_only(program: Program, liveness: Liveness, position: int) -> bool:
+  """Whether input `position` is read by nothing but top-level pointwise
+  equations (an optimizer's moments, read only by its update)."""
+  value = program.invars[position]
+  return all(r < len(program) and _rules.rule(
+      program.equations[r].primitive).pointwise for r in liveness.uses[value])
+
+
+def host_state(program: Program, liveness: Liveness,
+               pairs: Sequence[tuple[int, int]], *, min_bytes: int = 0,
+               only_update_read: bool = False) -> HostState:
+  """The state of `pairs` worth keeping on host: leaves of at least
+  `min_bytes` (and with `only_update_read`, only those read by the update
+  alone, the optimizer's moments, which cost one crossing each way)."""
+  chosen = [(i, o) for i, o in pairs
+            if aval_nbytes(program.avals[program.invars[i]])
+            >= max(min_bytes, 1)
+            and (not only_update_read or update_only(program, liveness, i))]
+  return HostState(tuple(i for i, _ in chosen), tuple(o for _, o in chosen))
+
+
+def state_scan_reads(program: Program, liveness: Liveness, state: HostState,
+                     names: dict[int, str] | None = None
+                     ) -> tuple[ScanResidual, ...]:
+  """The state stacks that scans read as their scanned input, as residuals
+  already on host: `offload_scan_residuals` then makes those scans read
+  them slice by slice. Scans of one iteration are left out (they take a
+  whole copy, see `_MAX_LOOP_LENGTH`)."""
+  reads = []
+  for position in state.inputs:
+    value = program.invars[position]
+    readers = tuple(
+        r for r in liveness.uses[value] if r < len(program)
+        and _reads_only_as_scanned(program.equations[r], value))
+    if readers:
+      label = (names or {}).get(value, f"state {position}")
+      reads.append(ScanResidual(value, None, readers, label))
+  return tuple(reads)
+
+
+def _reads_only_as_scanned(equation: Equation, value: int) -> bool:
+  if equation.primitive is not _compat.scan_p:
+    return False
+  layout = _compat.scan_layout(equation.eqn)
+  if layout.length < 2:
+    return False
+  first = layout.num_consts + layout.num_carry
+  return all(p >= first for p, a in enumerate(equation.inputs) if a == value)
+
+
+def keep_state_on_host(program: Program, state: HostState,
+                       residuals: Sequence[ScanResidual] = (),
+                       names: dict[int, str] | None = None
+                       ) -> tuple[Program, tuple[StateCopy, ...],
+                                  tuple[ScanResidual, ...]]:
+  """`program` with its `state` on host (see the module docstring), and
+  its scan `residuals` streamed through host as `offload_scan_residuals`
+  streams them. Returns the program, the `StateCopy`s, and the streamed
+  residuals and state reads, indexed in the returned program."""
+  liveness = analyse(program)
+  reads = state_scan_reads(program, liveness, state, names)
+  streamed = tuple(residuals) + reads
+  program = offload_scan_residuals(program, streamed)
+  avals = list(program.avals)
+  for position in state.inputs:
+    value = program.invars[position]
+    avals[value] = _compat.memory_space_aval(avals[value],
+                                             jax.memory.Space.Host)
+  program = dataclasses.replace(program, avals=tuple(avals))
+  program, copies, index_of = _stream_state(program, state, names or {})
+  streamed = tuple(dataclasses.replace(
+      r, producer=None if r.producer is None else index_of[r.producer],
+      readers=tuple(index_of[i] for i in r.readers)) for r in streamed)
+  return program, copies, streamed
+
+
+def _reads_on_device(equation: Equation, value: int) -> bool:
+  """Whether `equation` reads `value` as a device array (not as a host
+  stack that it reads slice by slice itself)."""
+  return any(a == value and not _compat.is_host_aval(v.aval)
+             for a, v in zip(equation.inputs, equation.eqn.invars))
+
+
+def _is_sliceable(equation: Equation, program: Program, shape) -> bool:
+  """Whether `equation` computes the same on a leading slice of arrays of
+  `shape` as on the whole: pointwise (or a broadcast of a rank-0
+  operand), every array it reads and makes of `shape` or rank 0."""
+  eqn = equation.eqn
+  if _compat.sub_jaxprs(eqn) or not equation.outputs:
+    return False
+  if not _rules.rule(eqn.primitive).pointwise and not (
+      _compat.is_scalar_broadcast(eqn)):
+    return False
+  for value in equation.outputs:
+    aval = program.avals[value]
+    if tuple(aval.shape) != shape or not _compat.has_plain_layout(aval):
+      return False
+  for atom in equation.inputs:
+    if isinstance(atom, Const):
+      if getattr(atom.value, "shape", ()) not in ((), shape):
+        return False
+      continue
+    aval = program.avals[atom]
+    if tuple(aval.shape) not in ((), shape) or not _compat.has_plain_layout(
+        aval):
+      return False
+  return True
+
+
+def _streamable(aval) -> bool:
+  shape = tuple(aval.shape)
+  return (len(shape) >= 2 and 2 <= shape[0] <= _MAX_LOOP_LENGTH
+          and aval_nbytes(aval) >= _MIN_STREAMED_BYTES)
+
+
+def _update_runs(program: Program, liveness: Liveness,
+                 on_host: set[int]) -> list[list[int]]:
+  """Runs of sliceable equations that read state on host, each closed
+  over the sliceable equations that read what it makes, and those whose
+  results only it reads; split into runs connected by the values they
+  make, each cut where an equation outside it reads what it makes before
+  its last equation."""
+  n = len(program)
+  shapes = {}
+  for value in on_host:
+    if _streamable(program.avals[value]):
+      shapes[value] = tuple(program.avals[value].shape)
+  member: dict[int, tuple] = {}  # equation index -> its leaf shape
+  work = []
+  for value, shape in shapes.items():
+    for r in liveness.uses[value]:
+      if (r < n and r not in member and _reads_on_device(
+          program.equations[r], value)
+          and _is_sliceable(program.equations[r], program, shape)):
+        member[r] = shape
+        work.append(r)
+  while work:
+    index = work.pop()
+    shape = member[index]
+    equation = program.equations[index]
+    for out in equation.outputs:  # readers of what it makes
+      for r in liveness.uses[out]:
+        if r < n and r not in member and _is_sliceable(
+            program.equations[r], program, shape):
+          member[r] = shape
+          work.append(r)
+    for atom in equation.inputs:  # makers of what only the run reads
+      if not isinstance(atom, int) or atom in on_host:
+        continue
+      maker = liveness.producer[atom]
+      if (maker < 0 or maker in member or not _is_sliceable(
+          program.equations[maker], program, shape)):
+        continue
+      made = program.equations[maker].outputs
+      if all(r in member and member[r] == shape
+             for v in made for r in liveness.uses[v]):
+        member[maker] = shape
+        work.append(maker)
+  # Connected by made values (union-find).
+  parent = {i: i for i in member}
+
+  def root(i):
+    while parent[i] != i:
+      parent[i] = parent[parent[i]]
+      i = parent[i]
+    return i
+
+  for index in member:
+    for out in program.equations[index].outputs:
+      for r in liveness.uses[out]:
+        if r in member and member[r] == member[index]:
+          parent[root(r)] = root(index)
+  runs: dict[int, list[int]] = {}
+  for index in sorted(member):
+    runs.setdefault(root(index), []).append(index)
+  result = []
+  for run in runs.values():
+    while run:
+      inside = set(run)
+      last = run[-1]
+      early = [r for i in run for v in program.equations[i].outputs
+               for r in liveness.uses[v] if r not in inside and r < last]
+      if not early:
+        break
+      run = [i for i in run if i < min(early)]
+    if run:
+      result.append(run)
+  return result
+
+
+def _stream_state(program: Program, state: HostState, names: dict[int, str]
+                  ) -> tuple[Program, tuple[StateCopy, ...], list[int]]:
+  """The update loops, whole copies and output copies of
+  `keep_state_on_host`, on a program whose state inputs are host values;
+  with the copies and each old equation's new index."""
+  liveness = analyse(program)
+  n = len(program)
+  avals = list(program.avals)
+  on_host = {program.invars[p] for p in state.inputs}
+  host_outputs = set(state.outputs)
+  output_readers = {}  # value -> output positions it is read at
+  for position, atom in enumerate(program.outvars):
+    if isinstance(atom, int):
+      output_readers.setdefault(atom, []).append(position)
+
+  def new_id(aval) -> int:
+    avals.append(aval)
+    return len(avals) - 1
+
+  def label(value: int) -> str:
+    if value in names:
+      return names[value]
+    maker = liveness.producer[value]
+    if maker >= 0:
+      return program.equations[maker].readable_name()
+    return f"state {program.invars.index(value)}"
+
+  runs = _update_runs(program, liveness, on_host)
+  loop_at: dict[int, Equation] = {}  # index of a run's last equation
+  removed: set[int] = set()
+  loop_copies: dict[int, tuple[int, int]] = {}
+  outvars = list(program.outvars)
+  for run in runs:
+    loop, to_device, to_host, host_outs = _update_loop(
+        program, liveness, run, on_host, host_outputs, output_readers, label)
+    loop_at[run[-1]] = loop
+    removed.update(run)
+    loop_copies[run[-1]] = (to_device, to_host)
+    for value in host_outs:
+      avals[value] = _compat.memory_space_aval(avals[value],
+                                               jax.memory.Space.Host)
+
+  # Whole copies for the reads the loops and scans do not serve.
+  copy_before: dict[int, list[Equation]] = {}
+  renamed: dict[int, dict[int, int]] = {}  # index -> {host id: device id}
+  for value in sorted(on_host):
+    readers = [r for r in liveness.uses[value] if r < n and r not in removed
+               and _reads_on_device(program.equations[r], value)]
+    if not readers:
+      continue
+    first = readers[0]
+    on_device = new_id(_compat.memory_space_aval(avals[value],
+                                                 jax.memory.Space.Device))
+    anchor = program.equations[first]
+    eqn = _compat.device_put_equation(
+        _compat.new_var(avals[value]), _compat.new_var(avals[on_device]),
+        False, anchor.eqn, profile_scope("swap_in", label(value)))
+    copy_before.setdefault(first, []).append(
+        Equation(eqn, (value,), (on_device,), anchor.name_stack))
+    for r in readers:
+      renamed.setdefault(r, {})[value] = on_device
+
+  # Updated state made on the device goes to host as soon as it is made.
+  copy_after: dict[int, list[Equation]] = {}
+  for position in state.outputs:
+    atom = outvars[position]
+    if not isinstance(atom, int) or _compat.is_host_aval(avals[atom]):
+      continue
+    maker = liveness.producer[atom]
+    on_host_id = new_id(_compat.memory_space_aval(avals[atom],
+                                                  jax.memory.Space.Host))
+    anchor = program.equations[maker] if maker >= 0 else (
+        program.equations[0] if program.equations else None)
+    if anchor is None:
+      continue
+    eqn = _compat.device_put_equation(
+        _compat.new_var(avals[atom]), _compat.new_var(avals[on_host_id]),
+        True, anchor.eqn, profile_scope("swap_out", label(atom)))
+    copy = Equation(eqn, (atom,), (on_host_id,), anchor.name_stack)
+    if maker >= 0:
+      # After the run's loop if the maker was folded into one.
+      at = next((end for end, loop in loop_at.items()
+                 if atom in loop.outputs), maker)
+      copy_after.setdefault(at, []).append(copy)
+    else:
+      copy_before.setdefault(0, []).append(copy)
+    outvars[position] = on_host_id
+
+  equations: list[Equation] = []
+  index_of = [-1] * (n + 1)
+  copies: list[StateCopy] = []
+  for index, equation in enumerate(program.equations):
+    for copy in copy_before.get(index, ()):
+      copies.append(StateCopy(len(equations),
+                              aval_nbytes(avals[copy.outputs[0]]), 0))
+      equations.append(copy)
+    if index in loop_at:
+      to_device, to_host = loop_copies[index]
+      copies.append(StateCopy(len(equations), to_device, to_host))
+      index_of[index] = len(equations)
+      equations.append(loop_at[index])
+    elif index not in removed:
+      index_of[index] = len(equations)
+      swap = renamed.get(index)
+      if swap:
+        equation = dataclasses.replace(equation, inputs=tuple(
+            swap.get(a, a) if isinstance(a, int) else a
+            for a in equation.inputs))
+      equations.append(equation)
+    for copy in copy_after.get(index, ()):
+      copies.append(StateCopy(len(equations), 0,
+                              aval_nbytes(avals[copy.inputs[0]])))
+      equations.append(copy)
+  for copy in copy_before.get(n, ()):
+    equations.append(copy)
+  index_of[n] = len(equations)
+  # A removed equation's index stands for its run's loop.
+  for run in runs:
+    for index in run:
+      index_of[index] = index_of[run[-1]]
+  rewritten = Program(program.invars, tuple(outvars), tuple(equations),
+                      tuple(avals))
+  return rewritten, tuple(copies), index_of
+
+
+def _update_loop(program: Program, liveness: Liveness, run: list[int],
+                 on_host: set[int], host_outputs: set[int],
+                 output_readers: dict, label
+                 ) -> tuple[Equation, int, int, list[int]]:
+  """The scan equation that runs the equations of `run` one leading slice
+  at a time: state on host is read slice by slice from host, and updated
+  state that is only an output of the step is written slice by slice to
+  host. Returns it, the bytes it moves to the device and to host, and the
+  values it makes on host (the caller places their avals there)."""
+  inside = set(run)
+  made = {v for i in run for v in program.equations[i].outputs}
+  shape = tuple(program.avals[program.equations[run[0]].outputs[0]].shape)
+  scalars, device_stacks, host_stacks = [], [], []
+  for index in run:
+    for atom in program.equations[index].inputs:
+      if not isinstance(atom, int) or atom in made:
+        continue
+      if atom in scalars or atom in device_stacks or atom in host_stacks:
+        continue
+      if tuple(program.avals[atom].shape) != shape:
+        scalars.append(atom)
+      elif atom in on_host:
+        host_stacks.append(atom)
+      else:
+        device_stacks.append(atom)
+  outputs, host_outs = [], []
+  for value in sorted(made):
+    readers = [r for r in liveness.uses[value] if r not in inside]
+    if not readers:
+      continue
+    outputs.append(value)
+    if readers == [len(program)] and any(
+        p in host_outputs for p in output_readers.get(value, ())):
+      host_outs.append(value)
+  equations = [program.equations[i] for i in run]
+
+  def body(scalar_values, stacks):
+    def iteration(carry, slices):
+      env = dict(zip(scalars, scalar_values))
+      env.update(zip(device_stacks + host_stacks, slices))
+      for equation in equations:
+        args = [a.value if isinstance(a, Const) else env[a]
+                for a in equation.inputs]
+        if _compat.is_scalar_broadcast(equation.eqn):
+          results = [_compat.broadcast_scalar(equation.eqn, args[0],
+                                              shape[1:])]
+        else:
+          results = _compat.bind_equation(equation.eqn, args)
+        env.update(zip(equation.outputs, results))
+      return carry, [env[v] for v in outputs]
+    _, ys = jax.lax.scan(iteration, None, stacks)
+    return ys
+
+  def device_aval(value):
+    aval = program.avals[value]
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype,
+                                weak_type=getattr(aval, "weak_type", False))
+
+  traced = jax.make_jaxpr(body)(
+      [device_aval(v) for v in scalars],
+      [device_aval(v) for v in device_stacks + host_stacks])
+  (scan_eqn,) = [e for e in traced.jaxpr.eqns
+                 if e.primitive is _compat.scan_p]
+  layout = _compat.scan_layout(scan_eqn)
+  traced_invars = list(scan_eqn.invars)  # matched by position below
+  first_xs = layout.num_consts + layout.num_carry
+  host_positions = list(range(first_xs + len(device_stacks),
+                              first_xs + len(device_stacks) + len(host_stacks)))
+  scan_eqn = with_host_inputs(
+      scan_eqn, host_positions,
+      [profile_scope("swap_in", label(v)) for v in host_stacks])
+  out_positions = [layout.num_carry + outputs.index(v) for v in host_outs]
+  scan_eqn = with_host_outputs(
+      scan_eqn, out_positions,
+      [profile_scope("swap_out", label(v)) for v in host_outs])
+  # The traced call's inputs are the scalars and stacks, in that order;
+  # anything else the scan reads is a constant of the trace.
+  ids = dict(zip(traced.jaxpr.invars, scalars + device_stacks + host_stacks))
+  consts = dict(zip(traced.jaxpr.constvars, traced.consts))
+  inputs = []
+  for var in traced_invars:
+    if isinstance(var, _compat.Literal):
+      inputs.append(Const(var.val, literal=var))
+    elif var in ids:
+      inputs.append(ids[var])
+    else:
+      inputs.append(Const(consts[var]))
+  outs = [None] * len(scan_eqn.outvars)
+  for position, value in enumerate(outputs):
+    outs[layout.num_carry + position] = value
+  if any(o is None for o in outs):  # a carry: there is none
+    raise AssertionError("an update loop has no carry")
+  name_stack = program.equations[run[0]].name_stack
+  to_device = sum(aval_nbytes(program.avals[v]) for v in host_stacks)
+  to_host = sum(aval_nbytes(program.avals[v]) for v in host_outs)
+  return (Equation(scan_eqn, tuple(inputs), tuple(outs), name_stack),
+          to_device, to_host, host_outs)
