@@ -158,6 +158,7 @@ def test_plan_names_where_state_lives():
   assert f"{plan.state_leaves} state leaves" in str(plan)
 
 
+@pytest.mark.slow  # four compiles for an H100
 def test_xla_counts_the_state_in_host_memory():
   case = _small_gpt(layers=2)
   abstract = jax.eval_shape(case.make_args)
