@@ -139,7 +139,7 @@ def offload_scan_residuals(program: Program,
       scopes = [profile_scope("swap_in", names[equation.inputs[p]])
                 for p in positions]
       if prefetch:
-        eqn = _prefetching_reader(eqn, positions, scopes)
+        eqn = prefetching_reader(eqn, positions, scopes)
       else:
         eqn = with_host_inputs(eqn, positions, scopes)
     equations[index] = dataclasses.replace(equation, eqn=eqn)
@@ -199,7 +199,7 @@ def with_host_inputs(eqn, positions: list[int], scopes: list[str]):
   return _compat.with_scan_body(eqn, new_body, invars=new_invars)
 
 
-def _prefetching_reader(eqn, positions: list[int], scopes: list[str]):
+def prefetching_reader(eqn, positions: list[int], scopes: list[str]):
   """The scan `eqn`, whose scanned inputs at `positions` become host
   stacks, as a call of a new scan that fetches those slices one iteration
   ahead: the slices for iteration `i + 1` are copied to the device while

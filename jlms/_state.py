@@ -34,11 +34,12 @@ import dataclasses
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from jlms import _compat, _rules
 from jlms._liveness import Liveness, aval_nbytes, analyse
 from jlms._loops import (ScanResidual, offload_scan_residuals,
-                         with_host_inputs, with_host_outputs)
+                         prefetching_reader)
 from jlms._names import profile_scope
 from jlms._program import Const, Equation, Program
 
@@ -161,11 +162,95 @@ def keep_state_on_host(program: Program, state: HostState,
     avals[value] = _compat.memory_space_aval(avals[value],
                                              jax.memory.Space.Host)
   program = dataclasses.replace(program, avals=tuple(avals))
+  program, call_reads = _calls_reading_from_host(program, state, names or {})
+  streamed += call_reads
   program, copies, index_of = _stream_state(program, state, names or {})
   streamed = tuple(dataclasses.replace(
       r, producer=None if r.producer is None else index_of[r.producer],
       readers=tuple(index_of[i] for i in r.readers)) for r in streamed)
   return program, copies, streamed
+
+
+def _calls_reading_from_host(program: Program, state: HostState,
+                             names: dict[int, str]
+                             ) -> tuple[Program, tuple[ScanResidual, ...]]:
+  """`program` whose calls of loops (the scans that `jlms._loop_remat`
+  traces inside a nested jit) read the state they scan from host, one
+  slice per iteration; and those reads, as residuals already on host."""
+  on_host = {program.invars[p] for p in state.inputs}
+  equations = list(program.equations)
+  reads: dict[int, list[int]] = {}
+  for index, equation in enumerate(equations):
+    if not _compat.is_jit_primitive(equation.primitive):
+      continue
+    positions = {p for p, a in enumerate(equation.inputs)
+                 if isinstance(a, int) and a in on_host
+                 and not _compat.is_host_aval(equation.eqn.invars[p].aval)}
+    if not positions:
+      continue
+    labels = {p: names.get(equation.inputs[p], "state") for p in positions}
+    rewritten = _reading_from_host(equation.eqn, positions, labels)
+    if rewritten is None:
+      continue  # read whole, from a device copy (`_stream_state`)
+    equations[index] = dataclasses.replace(equation, eqn=rewritten)
+    for p in positions:
+      reads.setdefault(equation.inputs[p], []).append(index)
+  found = tuple(ScanResidual(v, None, tuple(r), names.get(v, "state"))
+                for v, r in reads.items())
+  return dataclasses.replace(program, equations=tuple(equations)), found
+
+
+def _reading_from_host(eqn, positions: set[int], labels: dict[int, str]):
+  """`eqn` taking its inputs at `positions` from host: a scan that scans
+  them reads them one slice per iteration, fetched an iteration ahead; a
+  nested jit passes them on to the scans of its body that do. None where
+  something else reads them (they then come to the device whole)."""
+  if eqn.primitive is _compat.scan_p:
+    layout = _compat.scan_layout(eqn)
+    first = layout.num_consts + layout.num_carry
+    if layout.length < 2 or min(positions) < first:
+      return None
+    ordered = sorted(positions)
+    return prefetching_reader(eqn, ordered, [
+        profile_scope("swap_in", labels[p]) for p in ordered])
+  if not _compat.is_jit_primitive(eqn.primitive):
+    return None
+  body = _compat.call_body_closed(eqn)
+  jaxpr = body.jaxpr
+  host_vars = {jaxpr.invars[p]: _compat.new_var(_host(jaxpr.invars[p].aval))
+               for p in positions}
+  if any(v in host_vars for v in jaxpr.outvars):
+    return None
+  label_of = {jaxpr.invars[p]: labels[p] for p in positions}
+  inner_eqns = []
+  for inner in jaxpr.eqns:
+    inner_positions = {p for p, v in enumerate(inner.invars)
+                       if not isinstance(v, _compat.Literal)
+                       and v in host_vars}
+    if not inner_positions:
+      inner_eqns.append(inner)
+      continue
+    rewritten = _reading_from_host(inner, inner_positions, {
+        p: label_of[inner.invars[p]] for p in inner_positions})
+    if rewritten is None:
+      return None
+    invars = list(rewritten.invars)
+    for p in inner_positions:
+      invars[p] = host_vars[inner.invars[p]]
+    inner_eqns.append(rewritten.replace(invars=invars))
+  new_body = _compat.closed_jaxpr(
+      jaxpr.constvars, body.consts,
+      [host_vars.get(v, v) for v in jaxpr.invars], jaxpr.outvars, inner_eqns,
+      jaxpr.debug_info)
+  invars = list(eqn.invars)
+  for p in positions:
+    invars[p] = _compat.new_var(_host(invars[p].aval))
+  return _compat.with_call_body(eqn, new_body, _compat.call_name(eqn),
+                                invars=invars)
+
+
+def _host(aval):
+  return _compat.memory_space_aval(aval, jax.memory.Space.Host)
 
 
 def _reads_on_device(equation: Equation, value: int) -> bool:
@@ -309,6 +394,9 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
       return program.equations[maker].readable_name()
     return f"state {program.invars.index(value)}"
 
+  updated = {program.invars[i]: program.outvars[o]
+             for i, o in zip(state.inputs, state.outputs)
+             if isinstance(program.outvars[o], int)}
   runs = _update_runs(program, liveness, on_host)
   loop_at: dict[int, Equation] = {}  # index of a run's last equation
   removed: set[int] = set()
@@ -316,7 +404,8 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
   outvars = list(program.outvars)
   for run in runs:
     loop, to_device, to_host, host_outs = _update_loop(
-        program, liveness, run, on_host, host_outputs, output_readers, label)
+        program, liveness, run, on_host, host_outputs, output_readers,
+        updated, label, new_id)
     loop_at[run[-1]] = loop
     removed.update(run)
     loop_copies[run[-1]] = (to_device, to_host)
@@ -409,13 +498,18 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
 
 def _update_loop(program: Program, liveness: Liveness, run: list[int],
                  on_host: set[int], host_outputs: set[int],
-                 output_readers: dict, label
-                 ) -> tuple[Equation, int, int, list[int]]:
+                 output_readers: dict, updated: dict[int, int], label,
+                 new_id) -> tuple[Equation, int, int, list[int]]:
   """The scan equation that runs the equations of `run` one leading slice
-  at a time: state on host is read slice by slice from host, and updated
+  at a time. State on host is read slice by slice from host; a state leaf
+  whose update (`updated`: input value -> output value) the run makes is
+  updated in place, its host buffer carried through the loop and each
+  updated slice written over the slice it was read from (the donated
+  buffer is the output's: XLA allocates no second one); other updated
   state that is only an output of the step is written slice by slice to
-  host. Returns it, the bytes it moves to the device and to host, and the
-  values it makes on host (the caller places their avals there)."""
+  a new host stack. Returns it, the bytes it moves to the device and to
+  host, and the values it makes on host (the caller places their avals
+  there)."""
   inside = set(run)
   made = {v for i in run for v in program.equations[i].outputs}
   shape = tuple(program.avals[program.equations[run[0]].outputs[0]].shape)
@@ -437,16 +531,37 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
     readers = [r for r in liveness.uses[value] if r not in inside]
     if not readers:
       continue
-    outputs.append(value)
     if readers == [len(program)] and any(
         p in host_outputs for p in output_readers.get(value, ())):
       host_outs.append(value)
+    else:
+      outputs.append(value)
+  # In place: (host input, its update) pairs that the run reads and makes.
+  carried = [(h, updated[h]) for h in host_stacks
+             if updated.get(h) in host_outs]
+  carried_outs = {o for _, o in carried}
+  streamed_outs = [v for v in host_outs if v not in carried_outs]
   equations = [program.equations[i] for i in run]
+  length = shape[0]
 
-  def body(scalar_values, stacks):
-    def iteration(carry, slices):
+  def call(scalar_values, device_values, host_values):
+    # Traced on device values: the copies to host made here are cut off
+    # below, so that the loop takes the program's host values.
+    hosts = dict(zip(host_stacks, (jax.device_put(v, jax.memory.Space.Host)
+                                   for v in host_values)))
+    read_only = {h: hosts[h] for h in host_stacks
+                 if h not in dict(carried)}
+
+    def iteration(state, device_slices):
+      index, buffers = state
       env = dict(zip(scalars, scalar_values))
-      env.update(zip(device_stacks + host_stacks, slices))
+      env.update(zip(device_stacks, device_slices))
+      for h, buffer in list(read_only.items()) + list(
+          zip((h for h, _ in carried), buffers)):
+        with jax.named_scope(profile_scope("swap_in", label(h))):
+          env[h] = jax.device_put(
+              jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False),
+              jax.memory.Space.Device)
       for equation in equations:
         args = [a.value if isinstance(a, Const) else env[a]
                 for a in equation.inputs]
@@ -456,49 +571,58 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
         else:
           results = _compat.bind_equation(equation.eqn, args)
         env.update(zip(equation.outputs, results))
-      return carry, [env[v] for v in outputs]
-    _, ys = jax.lax.scan(iteration, None, stacks)
-    return ys
+      new_buffers = []
+      for (h, out), buffer in zip(carried, buffers):
+        with jax.named_scope(profile_scope("swap_out", label(out))):
+          new_buffers.append(jax.lax.dynamic_update_index_in_dim(
+              buffer, jax.device_put(env[out], jax.memory.Space.Host),
+              index, 0))
+      ys = [env[v] for v in outputs]
+      for value in streamed_outs:
+        with jax.named_scope(profile_scope("swap_out", label(value))):
+          ys.append(jax.device_put(env[value], jax.memory.Space.Host))
+      return (index + 1, new_buffers), ys
+
+    (_, buffers), ys = jax.lax.scan(
+        iteration, (jnp.int32(0), [hosts[h] for h, _ in carried]),
+        list(device_values), length=length)
+    return buffers, ys
 
   def device_aval(value):
     aval = program.avals[value]
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype,
                                 weak_type=getattr(aval, "weak_type", False))
 
-  traced = jax.make_jaxpr(body)(
+  traced = jax.make_jaxpr(call)(
       [device_aval(v) for v in scalars],
-      [device_aval(v) for v in device_stacks + host_stacks])
-  (scan_eqn,) = [e for e in traced.jaxpr.eqns
-                 if e.primitive is _compat.scan_p]
-  layout = _compat.scan_layout(scan_eqn)
-  traced_invars = list(scan_eqn.invars)  # matched by position below
-  first_xs = layout.num_consts + layout.num_carry
-  host_positions = list(range(first_xs + len(device_stacks),
-                              first_xs + len(device_stacks) + len(host_stacks)))
-  scan_eqn = with_host_inputs(
-      scan_eqn, host_positions,
-      [profile_scope("swap_in", label(v)) for v in host_stacks])
-  out_positions = [layout.num_carry + outputs.index(v) for v in host_outs]
-  scan_eqn = with_host_outputs(
-      scan_eqn, out_positions,
-      [profile_scope("swap_out", label(v)) for v in host_outs])
-  # The traced call's inputs are the scalars and stacks, in that order;
-  # anything else the scan reads is a constant of the trace.
-  ids = dict(zip(traced.jaxpr.invars, scalars + device_stacks + host_stacks))
-  consts = dict(zip(traced.jaxpr.constvars, traced.consts))
+      [device_aval(v) for v in device_stacks],
+      [device_aval(v) for v in host_stacks])
+  jaxpr = traced.jaxpr
+  n_scalars, n_device = len(scalars), len(device_stacks)
+  ids = dict(zip(jaxpr.invars, scalars + device_stacks + host_stacks))
+  host_inputs = set(jaxpr.invars[n_scalars + n_device:])
+  scans = []
+  for eqn in jaxpr.eqns:
+    if _compat.is_device_put(eqn) and eqn.invars[0] in host_inputs:
+      ids[eqn.outvars[0]] = ids[eqn.invars[0]]  # cut: the program's host value
+    elif eqn.primitive is _compat.scan_p:
+      scans.append(eqn)
+    else:
+      raise AssertionError(f"an update loop traced a {eqn.primitive}")
+  (scan_eqn,) = scans
+  consts = dict(zip(jaxpr.constvars, traced.consts))
   inputs = []
-  for var in traced_invars:
+  for var in scan_eqn.invars:
     if isinstance(var, _compat.Literal):
       inputs.append(Const(var.val, literal=var))
     elif var in ids:
       inputs.append(ids[var])
     else:
       inputs.append(Const(consts[var]))
-  outs = [None] * len(scan_eqn.outvars)
-  for position, value in enumerate(outputs):
-    outs[layout.num_carry + position] = value
-  if any(o is None for o in outs):  # a carry: there is none
-    raise AssertionError("an update loop has no carry")
+  # Outputs: the loop counter (unused), the buffers updated in place, the
+  # stacks it makes (on the device, then on host).
+  outs = ([new_id(scan_eqn.outvars[0].aval)] + [o for _, o in carried]
+          + outputs + streamed_outs)
   name_stack = program.equations[run[0]].name_stack
   to_device = sum(aval_nbytes(program.avals[v]) for v in host_stacks)
   to_host = sum(aval_nbytes(program.avals[v]) for v in host_outs)
