@@ -141,6 +141,14 @@ def kernel_seconds(program: Program, target: GpuTarget, fusion=None,
       peak[at] = min(peak[at], target.contraction_peak(
           dtype, _compat.contraction_is_full_precision(eqn)))
       kind[at] = "conv" if _compat.is_convolution(eqn) else "matmul"
+    if _rules.rule(eqn.primitive).moves_one_slice:
+      # The slice it reads (its result) or writes (its update operand).
+      sliced = (equation.inputs[1:2] if len(equation.inputs) > 1 and len(
+          equation.outputs) == 1 and program.avals[equation.outputs[0]].shape
+                == _shape_of(equation.inputs[0], program) else
+                equation.outputs)
+      touched[at].update(a for a in sliced if isinstance(a, int))
+      continue
     for atom in equation.inputs:
       if isinstance(atom, int) and materialized[atom]:
         touched[at].add(atom)
@@ -170,6 +178,12 @@ def kernel_seconds(program: Program, target: GpuTarget, fusion=None,
     if extra[index] and _compat.loop_trip_count(equation.eqn) is not None:
       seconds[index] = extra[index]
   return seconds
+
+
+def _shape_of(atom, program: Program):
+  if isinstance(atom, int):
+    return program.avals[atom].shape
+  return getattr(atom.value, "shape", ())
 
 
 def _body_seconds(body, target: GpuTarget, cache: dict) -> float:

@@ -50,6 +50,10 @@ class PrimitiveRule:
   #: so a loop can run it slice by slice (an optimizer's update streamed
   #: through state on host, `jlms._state`).
   pointwise: bool = False
+  #: Reads or writes one slice of its first operand, in place (a loop's
+  #: `dynamic_slice` of a stack, its `dynamic_update_slice` into a carried
+  #: buffer): its kernel moves the slice's bytes, not the operand's.
+  moves_one_slice: bool = False
 
 
 OPAQUE = PrimitiveRule()
@@ -108,6 +112,7 @@ def _table() -> types.MappingProxyType:
   add(_ACCUMULATIONS, takes_fused_expansions=True, takes_fused_operands=True)
   add(_TRANSPARENT_CALLS, transparent_call=True)
   add(_POINTWISE, pointwise=True)
+  add(("dynamic_slice", "dynamic_update_slice"), moves_one_slice=True)
   return types.MappingProxyType(rules)
 
 

@@ -299,11 +299,16 @@ def simulate(program: Program, liveness: Liveness,
       host[offload.swap_out_after] += size
       host[offload.swap_ins[-1].issue_before + 1] -= size
 
+  reused = _host_buffers_reused(program, liveness)
   for value, aval in enumerate(program.avals):
-    if _compat.is_host_aval(aval) and liveness.uses[value]:
+    if (_compat.is_host_aval(aval) and liveness.uses[value]
+        and value not in reused):
       size = aval_nbytes(aval)
       host[max(start[value], 0)] += size
-      host[min(liveness.uses[value][-1], n) + 1] -= size
+      end = min(liveness.uses[value][-1], n)
+      if value in reused.values():  # its buffer goes on as the loop's output
+        end = n
+      host[end + 1] -= size
 
   fixed = fixed_bytes(program, liveness) if operands_fixed else 0
   fixed -= sum(liveness.nbytes[v] for v in donors)
@@ -315,6 +320,31 @@ def simulate(program: Program, liveness: Liveness,
   return MemoryTimeline(device_bytes, host_bytes, fixed, peak_index,
                         _live_at(peak_index, values, start, stop, nbytes,
                                  offload_of, executes_at, liveness))
+
+
+def _host_buffers_reused(program: Program, liveness: Liveness
+                         ) -> dict[int, int]:
+  """Host outputs of loops that reuse the buffer of a host input the loop
+  reads for the last time (state updated in place, `jlms._state`): output
+  -> input. XLA gives a loop's carry its initial value's buffer when
+  nothing reads that value after the loop."""
+  reused: dict[int, int] = {}
+  for index, equation in enumerate(program.equations):
+    if equation.primitive not in _compat.LOOP_PRIMITIVES:
+      continue
+    free = [a for a in dict.fromkeys(equation.inputs)
+            if isinstance(a, int) and _compat.is_host_aval(program.avals[a])
+            and liveness.uses[a][-1] == index]
+    for out in equation.outputs:
+      aval = program.avals[out]
+      if not _compat.is_host_aval(aval):
+        continue
+      match = next((a for a in free if program.avals[a].shape == aval.shape
+                    and program.avals[a].dtype == aval.dtype), None)
+      if match is not None:
+        free.remove(match)
+        reused[out] = match
+  return reused
 
 
 def body_working_bytes(program: Program) -> np.ndarray:

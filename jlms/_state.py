@@ -57,6 +57,9 @@ class HostState:
   """Which of a program's inputs and outputs are state on host."""
   inputs: tuple[int, ...]  # positions among the program's inputs
   outputs: tuple[int, ...]  # positions among its outputs, pairwise
+  # The rest of the donated state, (input, output) positions: it stays on
+  # the device, and an update loop that makes it updates it in place.
+  on_device: tuple[tuple[int, int], ...] = ()
 
   def __bool__(self) -> bool:
     return bool(self.inputs)
@@ -111,7 +114,9 @@ def host_state(program: Program, liveness: Liveness,
             if aval_nbytes(program.avals[program.invars[i]])
             >= max(min_bytes, 1)
             and (not only_update_read or update_only(program, liveness, i))]
-  return HostState(tuple(i for i, _ in chosen), tuple(o for _, o in chosen))
+  rest = tuple(pair for pair in pairs if pair not in chosen)
+  return HostState(tuple(i for i, _ in chosen), tuple(o for _, o in chosen),
+                   rest)
 
 
 def state_scan_reads(program: Program, liveness: Liveness, state: HostState,
@@ -395,7 +400,8 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
     return f"state {program.invars.index(value)}"
 
   updated = {program.invars[i]: program.outvars[o]
-             for i, o in zip(state.inputs, state.outputs)
+             for i, o in (*zip(state.inputs, state.outputs),
+                          *state.on_device)
              if isinstance(program.outvars[o], int)}
   runs = _update_runs(program, liveness, on_host)
   loop_at: dict[int, Equation] = {}  # index of a run's last equation
@@ -526,38 +532,50 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
         host_stacks.append(atom)
       else:
         device_stacks.append(atom)
-  outputs, host_outs = [], []
+  outputs, host_outs, only_outputs = [], [], set()
   for value in sorted(made):
     readers = [r for r in liveness.uses[value] if r not in inside]
     if not readers:
       continue
+    if readers == [len(program)]:
+      only_outputs.add(value)
     if readers == [len(program)] and any(
         p in host_outputs for p in output_readers.get(value, ())):
       host_outs.append(value)
     else:
       outputs.append(value)
-  # In place: (host input, its update) pairs that the run reads and makes.
-  carried = [(h, updated[h]) for h in host_stacks
-             if updated.get(h) in host_outs]
+  # In place: (input, its update) pairs of donated state that the run reads
+  # last and makes as nothing but the step's output (on host, or on the
+  # device for state that stays there).
+  carried = [(h, updated[h]) for h in host_stacks + device_stacks
+             if updated.get(h) in only_outputs
+             and liveness.uses[h][-1] <= run[-1]]
   carried_outs = {o for _, o in carried}
   streamed_outs = [v for v in host_outs if v not in carried_outs]
+  outputs = [v for v in outputs if v not in carried_outs]
+  carried_on_device = {h for h, _ in carried if h in device_stacks}
+  scanned = [v for v in device_stacks if v not in carried_on_device]
   equations = [program.equations[i] for i in run]
   length = shape[0]
 
   def call(scalar_values, device_values, host_values):
     # Traced on device values: the copies to host made here are cut off
     # below, so that the loop takes the program's host values.
-    hosts = dict(zip(host_stacks, (jax.device_put(v, jax.memory.Space.Host)
-                                   for v in host_values)))
-    read_only = {h: hosts[h] for h in host_stacks
+    buffers_of = dict(zip(host_stacks, (
+        jax.device_put(v, jax.memory.Space.Host) for v in host_values)))
+    buffers_of.update(zip(device_stacks, device_values))
+    read_only = {h: buffers_of[h] for h in host_stacks
                  if h not in dict(carried)}
 
     def iteration(state, device_slices):
       index, buffers = state
       env = dict(zip(scalars, scalar_values))
-      env.update(zip(device_stacks, device_slices))
+      env.update(zip(scanned, device_slices))
       for h, buffer in list(read_only.items()) + list(
           zip((h for h, _ in carried), buffers)):
+        if h in carried_on_device:
+          env[h] = jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False)
+          continue
         with jax.named_scope(profile_scope("swap_in", label(h))):
           env[h] = jax.device_put(
               jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False),
@@ -573,6 +591,10 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
         env.update(zip(equation.outputs, results))
       new_buffers = []
       for (h, out), buffer in zip(carried, buffers):
+        if h in carried_on_device:
+          new_buffers.append(jax.lax.dynamic_update_index_in_dim(
+              buffer, env[out], index, 0))
+          continue
         with jax.named_scope(profile_scope("swap_out", label(out))):
           new_buffers.append(jax.lax.dynamic_update_index_in_dim(
               buffer, jax.device_put(env[out], jax.memory.Space.Host),
@@ -584,8 +606,8 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
       return (index + 1, new_buffers), ys
 
     (_, buffers), ys = jax.lax.scan(
-        iteration, (jnp.int32(0), [hosts[h] for h, _ in carried]),
-        list(device_values), length=length)
+        iteration, (jnp.int32(0), [buffers_of[h] for h, _ in carried]),
+        [buffers_of[v] for v in scanned], length=length)
     return buffers, ys
 
   def device_aval(value):
