@@ -241,6 +241,7 @@ def fit(program: Program, liveness: Liveness, budget_bytes: int | None,
         f"64 GB unless set) or pass host_budget=, on a machine with that "
         f"much free memory")
     error.smallest_bytes = baseline.peak_bytes
+    error.host_bytes = baseline.host_peak_bytes  # the host is what failed
     raise error
   baseline_time = problem.step_time(())
   chosen: list[Offload] = []

@@ -82,6 +82,9 @@ _LOOP_REMAT_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 # For the least memory, ways whose predicted peak is within this factor of
 # the smallest count as reaching it: the fastest of them is chosen.
 _LEAST_PEAK_SLACK = 1.01
+# Under a budget, the optimizer's moments go to host in steps of this share
+# of their bytes, the largest leaves first, until the plan fits.
+_STATE_LEVEL_SHARE = 0.125
 
 log = logging.getLogger("jlms")
 
@@ -805,10 +808,27 @@ class OffloadedStep:
     if self.state_on_host or budget is None:
       return [dataclasses.replace(plain, state=everything)]
     levels = [plain]
+    # The optimizer's moments cross the link once each way: the largest
+    # first, as many as the budget needs (what stays on the device costs
+    # no copy), then all of the state.
     moments = host_state(program, liveness, pairs, min_bytes=least,
                          only_update_read=True)
-    if moments and moments != everything:
-      levels.append(dataclasses.replace(plain, state=moments))
+    sizes = sorted(((aval_nbytes(program.avals[program.invars[i]]), i, o)
+                    for i, o in zip(moments.inputs, moments.outputs)),
+                   reverse=True)
+    total = sum(size for size, _, _ in sizes)
+    chosen, moved, share = [], 0, _STATE_LEVEL_SHARE
+    for size, i, o in sizes:
+      chosen.append((i, o))
+      moved += size
+      if moved >= share * total or len(chosen) == len(sizes):
+        share += _STATE_LEVEL_SHARE
+        state = host_state(program, liveness, sorted(chosen, key=lambda p:
+                                                      p[0]))
+        if state != everything:
+          levels.append(dataclasses.replace(plain, state=dataclasses.replace(
+              state, on_device=tuple(p for p in pairs
+                                     if p[0] not in state.inputs))))
     levels.append(dataclasses.replace(plain, state=everything))
     return levels
 
@@ -978,7 +998,7 @@ class OffloadedStep:
     way to fit `budget` (None: the least memory). Each way the step's loops
     can run (as they are, residuals remade inside the backward loops,
     residuals streamed through host) is fitted at the top level."""
-    fitted, last_error = [], None
+    fitted, last_error, last_rank = [], None, None
     for placed, residuals, loops in self._placed_variants(plain):
       try:
         result = fit(placed.program, placed.liveness, budget, times,
@@ -986,10 +1006,11 @@ class OffloadedStep:
                      self._host_budget_bytes(),
                      state_copies=placed.state_copies)
       except BudgetError as error:
-        # The variant that gets closest names the smallest peak reachable.
-        if last_error is None or (error.smallest_bytes
-                                  < last_error.smallest_bytes):
-          last_error = error
+        # The variant that gets closest names the smallest peak reachable;
+        # a variant refused for the host's memory only where all are.
+        rank = (hasattr(error, "host_bytes"), error.smallest_bytes)
+        if last_error is None or rank < last_rank:
+          last_error, last_rank = error, rank
         continue
       log.info("jlms: %s: predicted %s", loops, result.step_time.describe())
       fitted.append(((result.step_time.total_s,), len(fitted), placed,
