@@ -85,6 +85,7 @@ _LEAST_PEAK_SLACK = 1.01
 # Under a budget, the optimizer's moments go to host in steps of this share
 # of their bytes, the largest leaves first, until the plan fits.
 _STATE_LEVEL_SHARE = 0.125
+_STATE_MIN_BYTES = 64 << 10
 
 log = logging.getLogger("jlms")
 
@@ -797,7 +798,10 @@ class OffloadedStep:
     if on_host:  # placed there (by `place`, or by a step): they stay
       return [dataclasses.replace(plain, state=HostState(
           tuple(i for i, _ in on_host), tuple(o for _, o in on_host)))]
-    least = self._min_bytes(budget)
+    # A leaf is worth a copy of its own from 64 KiB (each copy costs a
+    # transfer's latency, about 10 us), or from `min_bytes` if given.
+    least = (self._fit_min_bytes if self._fit_min_bytes is not None
+             else max(self._min_bytes(budget), _STATE_MIN_BYTES))
     everything = host_state(program, liveness, pairs, min_bytes=least)
     if not everything:
       if self.state_on_host:

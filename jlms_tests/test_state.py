@@ -24,6 +24,9 @@ from jlms._program import flatten
 from benchmarks import zoo
 
 STEPS = 3
+# The test models' state leaves are KiB: those of this many bytes and more
+# go to host (by default 64 KiB, `jlms._offload._STATE_MIN_BYTES`).
+_LEAF = 4096
 
 
 def _small_gpt(layers=3):
@@ -99,7 +102,7 @@ def test_gpt_outputs_equal_jit_over_steps_with_state_on_host():
   case = _small_gpt()
   args = case.make_args()
   step = jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
-                      state_on_host=True)
+                      state_on_host=True, min_bytes=_LEAF)
   expected, actual = _copy(args), step.place(*_copy(args))
   reference = jax.jit(case.step)
   for _ in range(STEPS):
@@ -121,7 +124,7 @@ def test_state_arriving_on_device_is_placed_with_one_warning():
   case = _small_gpt(layers=2)
   args = case.make_args()
   step = jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
-                      state_on_host=True)
+                      state_on_host=True, min_bytes=_LEAF)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     (params, opt_state), _ = step(*_copy(args))
@@ -141,7 +144,7 @@ def test_plan_names_where_state_lives():
   case = _small_gpt(layers=2)
   abstract = jax.eval_shape(case.make_args)
   step = jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
-                      state_on_host=True)
+                      state_on_host=True, min_bytes=_LEAF)
   plan = step.plan(*abstract)
   params_kinds, opt_kinds, token_kind = plan.argument_kinds
   assert token_kind == "device"
@@ -163,7 +166,8 @@ def test_xla_counts_the_state_in_host_memory():
   case = _small_gpt(layers=2)
   abstract = jax.eval_shape(case.make_args)
   on_host = jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
-                         target="h100", state_on_host=True)
+                         target="h100", state_on_host=True,
+                         min_bytes=_LEAF)
   plan = on_host.plan(*abstract)
   memory = jlms.xla_memory(on_host, *abstract, target="h100")
   assert memory.host_argument_bytes == plan.state_host_bytes
@@ -203,7 +207,7 @@ def test_linen_train_state_outputs_equal_jit():
     return state.apply_gradients(grads=grads), loss
 
   step = jlms.offload(train_step, donate_argnums=0, budget="min",
-                      state_on_host=True)
+                      state_on_host=True, min_bytes=_LEAF)
   actual = step.place(_copy(state), x, y)[0]
   expected = _copy(state)
   reference = jax.jit(train_step)
@@ -213,10 +217,10 @@ def test_linen_train_state_outputs_equal_jit():
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
   _assert_close(actual.params, expected.params)
   _assert_close(actual.opt_state, expected.opt_state)
-  # Leaves of 4 KiB and more live on host ("min": a 65536th of the
-  # budget, at least 4 KiB); the smaller ones are not worth a copy.
+  # Leaves of `min_bytes` and more live on host; the smaller ones are not
+  # worth a copy.
   for leaf in jax.tree.leaves(actual.params):
-    expected_kind = "pinned_host" if leaf.nbytes >= 4096 else "device"
+    expected_kind = "pinned_host" if leaf.nbytes >= _LEAF else "device"
     assert leaf.sharding.memory_kind == expected_kind
 
 
@@ -250,7 +254,8 @@ def test_nnx_step_outputs_equal_jit():
 
   model, optimizer = make()
   ref_model, ref_optimizer = make()
-  step = jlms.offload_nnx(train_step, budget="min", state_on_host=True)
+  step = jlms.offload_nnx(train_step, budget="min", state_on_host=True,
+                          min_bytes=_LEAF)
   reference = nnx.jit(train_step)
   with warnings.catch_warnings():
     # The split state arrives on the device at the first call.
@@ -295,7 +300,8 @@ def test_state_above_the_host_budget_is_refused_before_running():
   case = _small_gpt(layers=2)
   abstract = jax.eval_shape(case.make_args)
   step = jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
-                      state_on_host=True, host_budget="64KiB")
+                      state_on_host=True, host_budget="64KiB",
+                      min_bytes=_LEAF)
   with pytest.raises(jlms.BudgetError,
                      match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"):
     step.plan(*abstract)
