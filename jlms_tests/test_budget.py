@@ -99,6 +99,7 @@ def test_a_step_that_fits_is_not_rewritten(resnet):
   assert _untouched(step, args)
 
 
+@pytest.mark.slow  # a few seconds: the quick tier stays within 2 minutes
 def test_a_budget_is_met_by_recomputing_what_is_cheap(resnet, caplog):
   case, peak = resnet
   budget = int(0.6 * peak)

@@ -69,6 +69,7 @@ def _table(out: str) -> dict[str, tuple[str, str]]:
   return rows
 
 
+@pytest.mark.slow  # a few seconds: the quick tier stays within 2 minutes
 def test_plan_prints_the_plan_xla_memory_and_step_times(tmp_path, capsys):
   report = tmp_path / "report.html"
   assert main(["plan", SMALL, "--target", "h100", "--budget", "min",
@@ -98,6 +99,7 @@ def _bytes(text: str) -> float:
                           "GiB": 2**30}[unit]
 
 
+@pytest.mark.slow  # a few seconds: the quick tier stays within 2 minutes
 def test_a_budget_that_cannot_be_met_exits_1_without_a_traceback(capsys):
   assert main(["plan", SMALL, "--budget", "1MiB"]) == 1
   captured = capsys.readouterr()

@@ -4,6 +4,7 @@ dropout RNG, `apply_gradients`) and an NNX step (`nnx.Module` +
 
 import flax.linen as nn
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -51,6 +52,7 @@ def _linen_step(state, images, labels):
   return state, loss
 
 
+@pytest.mark.slow  # a few seconds: the quick tier stays within 2 minutes
 def test_linen_train_state_step_matches_jit():
   model = _Net()
   images = jax.random.normal(jax.random.key(1), (256, 32))

@@ -1,6 +1,7 @@
 """Scan residuals remade inside the backward loop instead of stacked."""
 
 import jax
+import pytest
 import optax
 
 import jlms
@@ -20,6 +21,7 @@ def _gpt_scan():
                          optimizer=optax.sgd(1e-2, momentum=0.9))
 
 
+@pytest.mark.slow  # a few seconds: the quick tier stays within 2 minutes
 def test_the_backward_scan_remakes_what_the_forward_scan_stacked():
   case = _gpt_scan()
   args = case.make_args()
@@ -49,6 +51,7 @@ def test_the_backward_scan_remakes_what_the_forward_scan_stacked():
   assert max_relative_error(outputs, expected) <= F32_TOLERANCE
 
 
+@pytest.mark.slow  # a few seconds: the quick tier stays within 2 minutes
 def test_a_budget_below_the_stacks_remakes_them_in_the_loop():
   case = _gpt_scan()
   args = case.make_args()

@@ -1,6 +1,7 @@
 """Loop-invariant masks and fills made inside the scans that read them."""
 
 import jax
+import pytest
 import optax
 
 from benchmarks import models
@@ -29,6 +30,7 @@ def _run(program, debug_info, args):
                  )(*jax.tree.leaves(args))
 
 
+@pytest.mark.slow  # a few seconds: the quick tier stays within 2 minutes
 def test_the_hoisted_mask_and_fill_are_made_inside_both_scans():
   case = _scanned_gpt()
   args = case.make_args()

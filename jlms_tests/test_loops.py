@@ -2,6 +2,7 @@
 and the calls flattening sees through (checkpoint, custom_jvp/vjp)."""
 
 import jax
+import pytest
 import jax.numpy as jnp
 import optax
 
@@ -105,6 +106,7 @@ def test_checkpoint_is_inlined_behind_its_cse_barrier():
                             jax.jit(step)(w, x)) <= F32_TOLERANCE
 
 
+@pytest.mark.slow  # a few seconds: the quick tier stays within 2 minutes
 def test_backward_scan_fetches_the_next_iterations_slices_ahead():
   case = _gpt_scan()
   args = case.make_args()

@@ -72,6 +72,7 @@ def test_h100_compile_puts_bytes_on_host(name):
   assert memory.host_offloaded_buffers > 0
 
 
+@pytest.mark.slow  # a few seconds: the quick tier stays within 2 minutes
 def test_gpt_adamw_gradients_equal_jax_jit():
   case = models.gpt_case(layers=2, width=64, heads=2, seq=32, batch=2,
                          vocab=128)

@@ -79,6 +79,7 @@ def test_the_minimum_a_refused_budget_states_fits():
   assert peak <= minimum
 
 
+@pytest.mark.slow  # a few seconds: the quick tier stays within 2 minutes
 def test_a_least_memory_plan_no_smaller_than_jax_jits_is_not_applied():
   # Remaking and copying values of a few bytes each, XLA's peak on an H100
   # was 1.9 times jax.jit's; the plan was applied all the same.
