@@ -761,6 +761,7 @@ class OffloadedStep:
     """`_search_budget` for each way of placing the state (`levels`, all
     on the device first, then the optimizer's moments on host, then all of
     it), until one fits; the budget's error if none does."""
+    refused_for_host = None
     for number, plain in enumerate(levels):
       last = number == len(levels) - 1
       try:
@@ -770,7 +771,15 @@ class OffloadedStep:
             ask_xla_when_refused=last)
         break
       except BudgetError as error:
+        if hasattr(error, "host_bytes"):
+          # Where only host memory is short, the way that needs the least
+          # of it says what to set.
+          if (refused_for_host is None
+              or error.host_bytes < refused_for_host.host_bytes):
+            refused_for_host = error
         if last:
+          if (refused_for_host is not None and hasattr(error, "host_bytes")):
+            raise refused_for_host from None
           raise
         log.info("jlms: %s; trying with %d state leaves (%s) on host",
                  error, len(levels[number + 1].state.inputs),
@@ -1011,8 +1020,11 @@ class OffloadedStep:
                      state_copies=placed.state_copies)
       except BudgetError as error:
         # The variant that gets closest names the smallest peak reachable;
-        # a variant refused for the host's memory only where all are.
-        rank = (hasattr(error, "host_bytes"), error.smallest_bytes)
+        # a variant refused for the host's memory only where all are, and
+        # then the one that needs the least of it.
+        host = getattr(error, "host_bytes", None)
+        rank = ((False, error.smallest_bytes) if host is None
+                else (True, host))
         if last_error is None or rank < last_rank:
           last_error, last_rank = error, rank
         continue
