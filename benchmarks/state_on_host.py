@@ -47,7 +47,7 @@ import jax
 import jlms
 from benchmarks import zoo
 from benchmarks._output import write_json
-from benchmarks.frontier import YARDSTICK_PATH, load_yardstick
+from benchmarks.frontier import YARDSTICK_PATH, _cell, load_yardstick
 
 TARGET = "h100"
 GIB = 1 << 30
@@ -189,12 +189,6 @@ def _yardstick_ratios(row: dict) -> dict:
 _HEADER = (f"{'model':<12} {'config':<30} {'peak GiB':>9} {'host arg GiB':>12} "
            f"{'host tmp GiB':>12} {'state':>5} {'state GiB':>9} "
            f"{'plan ms':>9} {'sched ms':>9} {'s':>5}  note")
-
-
-def _cell(value, scale=1.0, width=9, digits=2) -> str:
-  if value is None:
-    return f"{'-':>{width}}"
-  return f"{value / scale:>{width}.{digits}f}"
 
 
 def format_row(row: dict) -> str:

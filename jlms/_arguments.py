@@ -64,6 +64,15 @@ class SplitArguments:
     return (self.treedef, self.static_args, self.static_kwargs,
             tuple(_abstract_leaves(self.leaves, self.treedef)))
 
+  def rebuilt(self, leaves) -> tuple[tuple, dict]:
+    """The call's `(args, kwargs)` with `leaves` in place of the dynamic
+    ones and the static values where they were."""
+    dyn_args, dyn_kwargs = jax.tree.unflatten(self.treedef, leaves)
+    full_args = list(dyn_args)
+    for i, value in self.static_args:
+      full_args[i] = value
+    return tuple(full_args), {**dyn_kwargs, **dict(self.static_kwargs)}
+
   def call(self, fun: Callable, leaves) -> Any:
     """`fun` on these static values and `leaves` in place of the dynamic
     ones."""

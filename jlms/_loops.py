@@ -89,13 +89,13 @@ def find_scan_residuals(program: Program, liveness: Liveness,
           or _compat.is_host_aval(program.avals[value])
           or reads[0] - index <= config.swapout_threshold):
         continue
-      if all(r < len(program) and _reads_only_as_scanned(
+      if all(r < len(program) and reads_only_as_scanned(
           program.equations[r], value) for r in reads):
         found.append(ScanResidual(value, index, reads))
   return tuple(found)
 
 
-def _reads_only_as_scanned(equation: Equation, value: int) -> bool:
+def reads_only_as_scanned(equation: Equation, value: int) -> bool:
   if not _is_scan(equation):
     return False
   scanned = set(_scanned_inputs(equation))
@@ -147,7 +147,8 @@ def offload_scan_residuals(program: Program,
                              avals=tuple(avals))
 
 
-def _host(aval):
+def host_aval(aval):
+  """`aval` in host memory."""
   return _compat.memory_space_aval(aval, jax.memory.Space.Host)
 
 
@@ -160,7 +161,7 @@ def with_host_outputs(eqn, positions: list[int], scopes: list[str]):
   outvars = list(jaxpr.outvars)
   for position, scope in zip(positions, scopes):
     slice_var = outvars[position]  # a var or a literal: both copy alike
-    host_var = _compat.new_var(_host(slice_var.aval))
+    host_var = _compat.new_var(host_aval(slice_var.aval))
     eqns.append(_compat.device_put_equation(
         slice_var, host_var, True, eqn, scope))
     outvars[position] = host_var
@@ -171,8 +172,8 @@ def with_host_outputs(eqn, positions: list[int], scopes: list[str]):
   for position in positions:
     old = new_outvars[position]
     new_outvars[position] = (
-        _compat.new_dropvar(_host(old.aval))
-        if isinstance(old, _compat.DropVar) else _compat.new_var(_host(old.aval)))
+        _compat.new_dropvar(host_aval(old.aval))
+        if isinstance(old, _compat.DropVar) else _compat.new_var(host_aval(old.aval)))
   return _compat.with_scan_body(eqn, new_body, outvars=new_outvars)
 
 
@@ -186,7 +187,7 @@ def with_host_inputs(eqn, positions: list[int], scopes: list[str]):
   copies = []
   for position, scope in zip(positions, scopes):
     device_var = invars[position]
-    host_var = _compat.new_var(_host(device_var.aval))
+    host_var = _compat.new_var(host_aval(device_var.aval))
     invars[position] = host_var
     copies.append(_compat.device_put_equation(
         host_var, device_var, False, eqn, scope))
@@ -195,7 +196,7 @@ def with_host_inputs(eqn, positions: list[int], scopes: list[str]):
                                   jaxpr.debug_info)
   new_invars = list(eqn.invars)
   for position in positions:
-    new_invars[position] = _compat.new_var(_host(new_invars[position].aval))
+    new_invars[position] = _compat.new_var(host_aval(new_invars[position].aval))
   return _compat.with_scan_body(eqn, new_body, invars=new_invars)
 
 
@@ -272,7 +273,7 @@ def prefetching_reader(eqn, positions: list[int], scopes: list[str]):
                                    jaxpr.outvars, eqns, jaxpr.debug_info)
   new_invars = list(eqn.invars)
   for position in positions:
-    new_invars[position] = _compat.new_var(_host(new_invars[position].aval))
+    new_invars[position] = _compat.new_var(host_aval(new_invars[position].aval))
   return _compat.with_call_body(
       outer, new_inner, "jlms_prefetching_scan", invars=new_invars,
       outvars=list(eqn.outvars), source_info=eqn.source_info, ctx=eqn.ctx)

@@ -429,12 +429,7 @@ class OffloadedStep:
       leaves[i] = jax.ShapeDtypeStruct(
           leaf.shape, leaf.dtype, sharding=sharding,
           weak_type=getattr(leaf, "weak_type", False))
-    dyn_args, dyn_kwargs = jax.tree.unflatten(split.treedef, leaves)
-    full_args = list(dyn_args)
-    for i, value in split.static_args:
-      full_args[i] = value
-    return (tuple(full_args), {**dyn_kwargs, **dict(split.static_kwargs)},
-            tuple(unmarked))
+    return (*split.rebuilt(leaves), tuple(unmarked))
 
   def place(self, *args, **kwargs):
     """The arguments (`args`, or `(args, kwargs)` when keywords are given)
@@ -456,13 +451,8 @@ class OffloadedStep:
       copied = _to_pinned_host([leaves[i] for i in moved])
       for i, leaf in zip(moved, copied):
         leaves[i] = leaf
-    dyn_args, dyn_kwargs = jax.tree.unflatten(split.treedef, leaves)
-    full_args = list(dyn_args)
-    for i, value in split.static_args:
-      full_args[i] = value
-    if not kwargs:
-      return tuple(full_args)
-    return tuple(full_args), {**dyn_kwargs, **dict(split.static_kwargs)}
+    placed_args, placed_kwargs = split.rebuilt(leaves)
+    return (placed_args, placed_kwargs) if kwargs else placed_args
 
   def trace(self, *args, **kwargs) -> jax.stages.Traced:
     return self._program_for(args, kwargs).trace(*args, **kwargs)

@@ -38,8 +38,8 @@ import jax.numpy as jnp
 
 from jlms import _compat, _rules
 from jlms._liveness import Liveness, aval_nbytes, analyse
-from jlms._loops import (ScanResidual, offload_scan_residuals,
-                         prefetching_reader)
+from jlms._loops import (ScanResidual, host_aval, offload_scan_residuals,
+                         prefetching_reader, reads_only_as_scanned)
 from jlms._names import profile_scope
 from jlms._program import Const, Equation, Program
 
@@ -131,21 +131,12 @@ def state_scan_reads(program: Program, liveness: Liveness, state: HostState,
     value = program.invars[position]
     readers = tuple(
         r for r in liveness.uses[value] if r < len(program)
-        and _reads_only_as_scanned(program.equations[r], value))
+        and reads_only_as_scanned(program.equations[r], value)
+        and _compat.scan_layout(program.equations[r].eqn).length >= 2)
     if readers:
       label = (names or {}).get(value, f"state {position}")
       reads.append(ScanResidual(value, None, readers, label))
   return tuple(reads)
-
-
-def _reads_only_as_scanned(equation: Equation, value: int) -> bool:
-  if equation.primitive is not _compat.scan_p:
-    return False
-  layout = _compat.scan_layout(equation.eqn)
-  if layout.length < 2:
-    return False
-  first = layout.num_consts + layout.num_carry
-  return all(p >= first for p, a in enumerate(equation.inputs) if a == value)
 
 
 def keep_state_on_host(program: Program, state: HostState,
@@ -222,7 +213,7 @@ def _reading_from_host(eqn, positions: set[int], labels: dict[int, str]):
     return None
   body = _compat.call_body_closed(eqn)
   jaxpr = body.jaxpr
-  host_vars = {jaxpr.invars[p]: _compat.new_var(_host(jaxpr.invars[p].aval))
+  host_vars = {jaxpr.invars[p]: _compat.new_var(host_aval(jaxpr.invars[p].aval))
                for p in positions}
   if any(v in host_vars for v in jaxpr.outvars):
     return None
@@ -249,13 +240,9 @@ def _reading_from_host(eqn, positions: set[int], labels: dict[int, str]):
       jaxpr.debug_info)
   invars = list(eqn.invars)
   for p in positions:
-    invars[p] = _compat.new_var(_host(invars[p].aval))
+    invars[p] = _compat.new_var(host_aval(invars[p].aval))
   return _compat.with_call_body(eqn, new_body, _compat.call_name(eqn),
                                 invars=invars)
-
-
-def _host(aval):
-  return _compat.memory_space_aval(aval, jax.memory.Space.Host)
 
 
 def _reads_on_device(equation: Equation, value: int) -> bool:
