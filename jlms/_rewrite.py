@@ -47,6 +47,7 @@ or remade by its `SwapIn`; inputs and outputs match the program's.
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 
 import jax
@@ -80,11 +81,12 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
   (which would give it a buffer, such as a broadcast zero the size of an
   attention matrix).
 
-  With `pin_contractions`, every matmul and convolution must also have run
-  before the next swap-in or recomputation: XLA's scheduler otherwise
-  leaves weight-gradient contractions to the end of the step, and each
-  holds its operands (a cotangent, an activation) alive until then, which
-  a plan made in jaxpr order does not expect.
+  With `pin_contractions`, every matmul and convolution whose outputs are
+  first read after the next swap-in or recomputation must also have run
+  before it: XLA's scheduler otherwise leaves weight-gradient contractions
+  to the end of the step, and each holds its operands (a cotangent, an
+  activation) alive until then, which a plan made in jaxpr order does not
+  expect.
 
   With `transfers=False` the same barriers are emitted but the values stay
   on the device: the schedule's constraints without the copies, which is
@@ -140,6 +142,9 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
     return outs[:len(carried)], outs[len(carried):]
 
   executes_at = None if fusion is None else fusion.executes_at
+  postponable = (_postponable_contractions(
+      program, sorted(set(swap_in_before) | set(recompute_before)))
+                 if pin_contractions else frozenset())
 
   def has_buffer(value: int) -> bool:
     return fusion is None or bool(fusion.materialized[value])
@@ -289,8 +294,7 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
         serial_outputs = made
     reads_offloaded = any(isinstance(a, int) and swapped_out_at.get(a, end)
                           < index for a in equation.inputs) or (
-                              pin_contractions
-                              and _compat.contraction_flops(equation.eqn) > 0)
+                              index in postponable)
     # A re-layout of a reader's output stands in for it: XLA folds the two
     # together only if the barrier reads the re-laid-out value, not both.
     relayed = [a for a in equation.inputs if a in offloaded_reader_outputs]
@@ -315,6 +319,49 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
   outvars = [read(a) for a in program.outvars]
   return _compat.closed_jaxpr(constvars, consts, invars, outvars, eqns,
                               debug_info)
+
+
+def _postponable_contractions(program: Program, barriers) -> frozenset:
+  """The matmuls and convolutions that XLA's scheduler may run after the
+  next swap-in or recomputation: those whose outputs are first needed at
+  or after it (a weight gradient, read by the optimizer's update at the
+  end, perhaps through a transpose).
+  A contraction read sooner (a forward or input-gradient one, whose
+  activation the next equations read) runs before that barrier anyway;
+  tying its output to the barrier would only route all its later reads
+  through it, which stops XLA from fusing them with, or sharing them
+  between, the kernels around them (a relu mask that jax.jit makes once in
+  the forward pass is then made again in the backward)."""
+  # needed[v]: the first equation that needs `v`, seeing through
+  # re-layouts (a weight gradient's transpose to its parameter's layout
+  # waits with it).
+  n = len(program)
+  readers: dict[int, list[int]] = {}
+  for index, equation in enumerate(program.equations):
+    for atom in dict.fromkeys(a for a in equation.inputs
+                              if isinstance(a, int)):
+      readers.setdefault(atom, []).append(index)
+  needed: dict[int, int] = {}
+  for index in range(n - 1, -1, -1):
+    for out in program.equations[index].outputs:
+      first = n
+      for reader in readers.get(out, ()):
+        equation = program.equations[reader]
+        if _rules.rule(equation.primitive).relayout_only:
+          first = min([first] + [needed.get(o, n) for o in equation.outputs])
+        else:
+          first = min(first, reader)
+      needed[out] = first
+  postponable = set()
+  for index, equation in enumerate(program.equations):
+    if not _compat.contraction_flops(equation.eqn):
+      continue
+    following = bisect.bisect_right(barriers, index)
+    if following == len(barriers):
+      continue  # no barrier after it to run before
+    if all(needed[out] >= barriers[following] for out in equation.outputs):
+      postponable.add(index)
+  return frozenset(postponable)
 
 
 def _scopes(program: Program, offloads: tuple[Offload, ...]):

@@ -116,11 +116,13 @@ def _dynamic(drawn, args, kwargs):
           {k: v for k, v in kwargs.items() if k not in names})
 
 
-def _run_on_cpu(drawn, stepper, steps_run=3):
+def _run_on_cpu(drawn, stepper, steps_run=3, options=None):
   """The outputs of `steps_run` steps of `stepper` (a jitted or offloaded
-  `drawn.fn`), each fed the last one's state, as host copies."""
+  `drawn.fn`), each fed the last one's state, as host copies, compiled
+  with `options` (`_CPU_COMPILE_OPTIONS` when None)."""
   args, kwargs = drawn.make_args()
-  compiled = stepper.lower(*args, **kwargs).compile(_CPU_COMPILE_OPTIONS)
+  compiled = stepper.lower(*args, **kwargs).compile(
+      _CPU_COMPILE_OPTIONS if options is None else options)
   outputs = []
   for _ in range(steps_run):
     dynamic_args, dynamic_kwargs = _dynamic(drawn, args, kwargs)
@@ -164,6 +166,45 @@ def _tolerance(drawn) -> float:
   return F32_TOLERANCE if drawn.spec.precision == "float32" else BF16_TOLERANCE
 
 
+#: The most a bfloat16 step may differ, however sensitive it is: a wrong
+#: copy or a lost dependency differs by 1e-1 and up.
+_BF16_CEILING = 8e-2
+_JIT_NOISE: dict = {}
+
+
+def _jit_noise(drawn, steps_run: int) -> float:
+  """How far `jax.jit`'s own outputs move under a rounding XLA may choose:
+  the same program compiled with excess precision allowed (XLA's default),
+  worst over `steps_run` steps. A step whose attention, LayerNorm and
+  dropout amplify a one-ulp bfloat16 difference moves by 3.7e-2 after one
+  step so (the attention step of `test_regressions`)."""
+  key = (drawn.spec, steps_run)
+  if key not in _JIT_NOISE:
+    options = {**_CPU_COMPILE_OPTIONS, "xla_allow_excess_precision": True}
+    moved = _run_on_cpu(drawn, drawn.jitted(), steps_run, options)
+    _JIT_NOISE[key] = max(max_relative_error(a, e) for a, e in zip(
+        moved, _jit_outputs(drawn)[:steps_run]))
+  return _JIT_NOISE[key]
+
+
+def assert_outputs_agree(drawn, actual, expected, plan=None) -> None:
+  """jlms's outputs (a list, one per step) against `jax.jit`'s, within the
+  tolerance of their dtype. A bfloat16 step that a recomputation moves by
+  a bfloat16 ulp may be sensitive enough that the difference grows past
+  that tolerance; it passes if it stays within 1.5 times what jax.jit's
+  own outputs move under another legal rounding, and below
+  `_BF16_CEILING`."""
+  errors = [max_relative_error(a, e) for a, e in zip(actual, expected)]
+  tolerance = _tolerance(drawn)
+  if max(errors) > tolerance and drawn.spec.precision != "float32":
+    noise = _jit_noise(drawn, len(actual))
+    tolerance = min(_BF16_CEILING, max(tolerance, 1.5 * noise))
+  for step, error in enumerate(errors):
+    assert error <= tolerance, (
+        f"step {step + 1}: relative error {error:.2e} (tolerance "
+        f"{tolerance:.1e})\n{plan}")
+
+
 def _describe(plan) -> str:
   if not plan.offloaded:
     return "nothing moved"
@@ -196,12 +237,8 @@ def test_outputs_equal_jax_jits_over_three_steps(spec, options):
     assert plan.smallest_bytes > options["budget"], str(plan)
     return
   event(_describe(plan))
-  expected = _jit_outputs(drawn)
-  actual = _run_on_cpu(drawn, stepper)
-  for i, (a, e) in enumerate(zip(actual, expected)):
-    error = max_relative_error(a, e)
-    assert error <= _tolerance(drawn), (
-        f"step {i + 1}: relative error {error:.2e}\n{plan}")
+  assert_outputs_agree(drawn, _run_on_cpu(drawn, stepper),
+                       _jit_outputs(drawn), plan)
 
 
 # -- (b) H100 peak against jax.jit's -----------------------------------------
@@ -319,6 +356,5 @@ def test_any_options_run_as_jax_jit_or_fail_with_a_jlms_error(spec, options):
     event("budget refused")
     return
   event(_describe(plan))
-  actual = _run_on_cpu(drawn, stepper, steps_run=1)
-  error = max_relative_error(actual[0], _jit_outputs(drawn)[0])
-  assert error <= _tolerance(drawn), f"relative error {error:.2e}\n{plan}"
+  assert_outputs_agree(drawn, _run_on_cpu(drawn, stepper, steps_run=1),
+                       _jit_outputs(drawn)[:1], plan)

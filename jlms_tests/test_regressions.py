@@ -93,3 +93,27 @@ def test_a_least_memory_plan_no_smaller_than_jax_jits_is_not_applied():
   assert "no lower than jax.jit's program's" in plan.not_applied
   assert "runs as jax.jit's program" in str(plan)
   assert properties._h100_peak(stepper, drawn) == properties._jit_peak(drawn)
+
+
+@pytest.mark.slow  # 9 s on JAX 0.12: an attention step compiled four times
+def test_a_sensitive_bfloat16_step_agrees_within_jax_jits_own_rounding():
+  # Found by the long profile on JAX 0.12: with the least memory, jlms
+  # recomputes LayerNorm statistics, a QKV projection and a dropout mask of
+  # this mixed-precision attention step; XLA compiles a recomputed
+  # reduction in another order, a bfloat16 result moves by one ulp, and
+  # attention, LayerNorm and dropout amplify it to 3.6e-2 after three
+  # steps, above the 2e-2 tolerance of bfloat16. jax.jit's own outputs
+  # move by 3.7e-2 on this step when XLA keeps excess precision (its
+  # default), so the property compares with that.
+  spec = StepSpec(family="attention", layout="loop", depth=1, width=16,
+                  batch=2, precision="mixed", dropout=True, cond=True,
+                  while_loop=True, nested_jit=True, optimizer="sgd",
+                  donate=False)
+  drawn = build(spec)
+  stepper = drawn.offload(budget="min", min_bytes=1)
+  args, kwargs = drawn.abstract_args()
+  plan = stepper.plan(*args, **kwargs)
+  assert plan.recomputed
+  properties.assert_outputs_agree(
+      drawn, properties._run_on_cpu(drawn, stepper),
+      properties._jit_outputs(drawn), plan)

@@ -179,6 +179,31 @@ def test_xla_counts_the_state_in_host_memory():
   assert memory.argument_bytes < device_memory.argument_bytes
 
 
+
+@pytest.mark.slow  # compiles for eight H100s
+def test_fsdp_state_shards_go_to_each_devices_host():
+  # FSDP: every state leaf split over eight GPUs along its largest axis.
+  # Each device keeps its own shards on its own host, and XLA counts them
+  # there: an eighth of the state per device.
+  from jax.sharding import AxisType
+  from benchmarks import sharded
+  devices = jlms.target_devices("h100", "1x1x8")
+  case = zoo.gpt_case(seq=32, batch_size=8, layers=2, width=64, heads=4,
+                      vocab=128)
+  abstract = jax.eval_shape(case.make_args)
+  args = sharded.shard_step_args(
+      abstract, sharded.mesh_of(devices, AxisType.Auto),
+      batch_args=len(abstract) - 2, fsdp=True)
+  step = jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
+                      target="h100", state_on_host=True, min_bytes=_LEAF)
+  plan = step.plan(*args)
+  memory = jlms.xla_memory(step, *args, target="h100")
+  assert plan.state_leaves > 0
+  assert plan.xla_peak_bytes == memory.peak_bytes
+  assert memory.host_argument_bytes > 0
+  assert memory.host_argument_bytes * len(devices) == pytest.approx(
+      plan.state_host_bytes, rel=0.02)
+
 def test_linen_train_state_outputs_equal_jit():
   class Block(nn.Module):
     @nn.compact
