@@ -47,15 +47,17 @@ class GpuTarget:
   fp32_flops_per_s: float
   link_bytes_per_s: float  # host link, each direction, achieved
   link: str
-  #: Whether a host copy overlaps the compute between its issue and its
-  #: wait. XLA's GPU latency-hiding scheduler prices a copy to or from host
-  #: at HBM speed and starts it just before the copy is waited for, so on
-  #: the XLA of JAX 0.10-0.12 it does not: on an H100 the halfway budget of
-  #: a ResNet moved 5.0 GiB each way in 243 ms against jax.jit's 45.6, that
-  #: is 198 ms more, and 2 x 5.0 GiB at 52 GB/s is 206 ms
-  #: (../shared/reference/H100-MEASURED.md); XLA's schedules of jlms plans
-  #: show each copy-start a few kernels before its copy-done. True models a
-  #: scheduler that starts copies where jlms issues them.
+  #: Whether the fit counts on a host copy overlapping the compute between
+  #: its issue and its wait. False: each copy costs its whole link time
+  #: each way. On an H100 a ResNet plan whose copies came back a few
+  #: equations before their reads moved 5.0 GiB each way in 243 ms against
+  #: jax.jit's 45.6, that is 198 ms more, and 2 x 5.0 GiB at 52 GB/s is
+  #: 206 ms (../shared/reference/H100-MEASURED.md). XLA itself starts a
+  #: copy as soon as the barrier before it allows (a copy the fit placed
+  #: 1.4 ms of compute ahead of its read started there), but the windows
+  #: the fit plans by this model are half as long by the schedule model's
+  #: roofline, and copies planned in one window queue on one engine; see
+  #: docs/benchmarks.md. True trusts the windows.
   hides_copies: bool = False
   #: fraction of the roofline each kind of kernel reaches.
   efficiency: types.MappingProxyType = dataclasses.field(

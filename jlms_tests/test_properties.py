@@ -176,8 +176,8 @@ def _jit_noise(drawn, steps_run: int) -> float:
   """How far `jax.jit`'s own outputs move under a rounding XLA may choose:
   the same program compiled with excess precision allowed (XLA's default),
   worst over `steps_run` steps. A step whose attention, LayerNorm and
-  dropout amplify a one-ulp bfloat16 difference moves by 3.7e-2 after one
-  step so (the attention step of `test_regressions`)."""
+  dropout amplify a one-ulp bfloat16 difference moves by 3.7e-2 that way
+  after one step (the attention step of `test_regressions`)."""
   key = (drawn.spec, steps_run)
   if key not in _JIT_NOISE:
     options = {**_CPU_COMPILE_OPTIONS, "xla_allow_excess_precision": True}
