@@ -49,14 +49,45 @@ class Fusion:
   executes_at: np.ndarray  # int per equation: where its work really happens
 
 
+# How far `analyse_fusion` looks: the buffers behind a fused value (an
+# elementwise chain reads a handful), and the kernels reading one (the
+# traffic test below only needs to know whether there are several).
+_MOST_BUFFERS_FOLLOWED = 64
+_MOST_KERNELS_COUNTED = 16
+# XLA fuses a producer into its consumers unless its performance model finds
+# that slower; a separate kernel also costs a launch, so it leans towards
+# fusing. A margin of 25% on the bytes reproduces its choices for the
+# ResNet's relu masks (see `_cheaper_as_buffer`).
+_FUSION_MARGIN = 1.25
+
+
+def _cheaper_as_buffer(kernels: int, operand_bytes: int, nbytes: int) -> bool:
+  """Whether XLA writes a fusible value once rather than recompute it in
+  each of the `kernels` that read it, by the traffic either way: fused,
+  each kernel reads the buffers behind it (`operand_bytes`); as a buffer,
+  one kernel reads them and writes `nbytes`, and each reader reads those.
+  Only a value narrower than its operands can come out cheaper as a buffer:
+  a relu's mask (1 byte per element, from float32 inputs) read by the two
+  reductions of BatchNorm's backward pass is made in the forward pass with
+  the relu and kept (XLA's ResNet programs), while the same mask read by
+  one kernel is recomputed there."""
+  # Fused, the readers read the operands `kernels` times; as a buffer, once,
+  # plus the buffer's write and `kernels` reads.
+  extra_when_fused = (kernels - 1) * operand_bytes
+  extra_when_buffered = (kernels + 1) * nbytes
+  return extra_when_fused > _FUSION_MARGIN * extra_when_buffered
+
+
 def analyse_fusion(program: Program, liveness: Liveness,
                    forced: frozenset | set = frozenset()) -> Fusion:
   """The fusion model: a value is fused away (no buffer) when an elementwise
   or re-layout equation makes it and every reader can take it fused
   (elementwise, re-layout or a reduction), unless it is a step output, one of
   `forced` (offloaded values, which a copy to host must read from a buffer),
-  or a costly elementwise result read by several equations (XLA computes it
-  once rather than in each reader)."""
+  a costly elementwise result read by several equations (XLA computes it
+  once rather than in each reader), or a value that the kernels reading it
+  would each recompute at more memory traffic than one buffer costs
+  (`_cheaper_as_buffer`)."""
   equations = program.equations
   n = len(equations)
   n_values = len(program.avals)
@@ -105,8 +136,38 @@ def analyse_fusion(program: Program, liveness: Liveness,
       continue
     materialized[value] = False
 
-  last_read = np.full(n_values, -1, dtype=np.int64)
+  # A value fused into several kernels may be cheaper as a buffer (see
+  # `_cheaper_as_buffer`), which depends on the buffers behind it: the
+  # first pass finds those with the rest as above, the second looks
+  # through what the first made buffers (a residual sum XLA keeps makes
+  # LayerNorm's `x - mean` behind it a cheap read again).
+  buffers = materialized
+  for _ in range(2):
+    decided = _place_kernels(program, liveness, materialized.copy(), buffers,
+                             aliasing)
+    if (decided[0] == buffers).all():
+      break
+    buffers = decided[0]
+  return Fusion(*decided)
+
+
+def _place_kernels(program: Program, liveness: Liveness,
+                   materialized: np.ndarray, buffers: np.ndarray,
+                   aliasing: np.ndarray):
+  """Where each equation's work runs and each value is last read, given the
+  values fusion leaves as buffers (`materialized`, completed here with the
+  fusible values cheaper as buffers, judged with the operands `buffers`
+  says are buffers). Returns (materialized, last_read, executes_at)."""
+  equations = program.equations
+  n = len(equations)
+  producer = liveness.producer
+  uses = liveness.uses
+  last_read = np.full(len(program.avals), -1, dtype=np.int64)
   executes_at = np.arange(n, dtype=np.int64)
+  # The kernels each equation's work is done in: its own when it makes a
+  # buffer, else those of the equations that read its results fused.
+  kernels: list[frozenset] = [frozenset()] * n
+  read_bytes: dict[int, int] = {}
 
   def last_read_of(value: int) -> int:
     reads = uses[value]
@@ -116,10 +177,42 @@ def analyse_fusion(program: Program, liveness: Liveness,
       return n
     return int(max(executes_at[r] for r in reads))
 
+  def buffers_read_by(value: int) -> int:
+    """Bytes of the buffers that computing `value` inline reads: its
+    operands, through the fused values among them (broadcasts count as
+    nothing: each reader makes them from a few bytes)."""
+    if value in read_bytes:
+      return read_bytes[value]
+    seen: set[int] = set()
+    total = 0
+    pending = [a for a in equations[producer[value]].inputs
+               if isinstance(a, int)]
+    while pending and len(seen) < _MOST_BUFFERS_FOLLOWED:
+      operand = pending.pop()
+      if operand in seen:
+        continue
+      seen.add(operand)
+      made_by = producer[operand]
+      if made_by < 0 or buffers[operand]:
+        total += liveness.nbytes[operand]
+      elif not is_expansion(program, liveness, operand):
+        pending.extend(a for a in equations[made_by].inputs
+                       if isinstance(a, int))
+    read_bytes[value] = total
+    return total
+
   # Reverse order: an equation's reads are all later, so their execution
-  # points are known when its outputs' last reads are computed.
+  # points and kernels are known when its outputs are decided.
   for index in range(n - 1, -1, -1):
     outputs = equations[index].outputs
+    for out in outputs:
+      if (materialized[out] or aliasing[index] or not uses[out]
+          or uses[out][-1] >= n):
+        continue
+      readers = frozenset().union(*(kernels[r] for r in uses[out]))
+      if len(readers) > 1 and _cheaper_as_buffer(
+          len(readers), buffers_read_by(out), liveness.nbytes[out]):
+        materialized[out] = True
     latest = -1
     any_buffer = False
     for out in outputs:
@@ -130,9 +223,17 @@ def analyse_fusion(program: Program, liveness: Liveness,
         latest = max(latest, int(last_read[out]))
     if not any_buffer and latest >= 0:
       executes_at[index] = latest
+    if any_buffer or aliasing[index]:
+      kernels[index] = frozenset((index,))
+    else:
+      readers = frozenset().union(
+          *(kernels[r] for out in outputs for r in uses[out] if r < n))
+      if len(readers) > _MOST_KERNELS_COUNTED:
+        readers = frozenset(sorted(readers)[:_MOST_KERNELS_COUNTED])
+      kernels[index] = readers
   for value in program.invars:
     last_read[value] = last_read_of(value)
-  return Fusion(materialized, last_read, executes_at)
+  return materialized, last_read, executes_at
 
 
 def _swap_in_end(swap_in, executes_at) -> int:

@@ -108,9 +108,12 @@ def test_a_budget_is_met_by_recomputing_what_is_cheap(resnet, caplog):
     plan = step.plan(*case.abstract_args())
   assert plan.predicted_peak_bytes <= budget < plan.baseline_peak_bytes
   # BatchNorm and relu outputs are remade from the convolutions' outputs
-  # for a few percent of the step, not copied over the host link.
+  # for about a tenth of this small step, not copied over the host link
+  # (25.9 against 23.4 us predicted; 27.5 against 25.5 before the fusion
+  # model kept relu masks as XLA does, which made jax.jit's step cheaper
+  # and its peak larger, so the budget frees more).
   assert plan.recomputed and plan.fitted
-  assert plan.step_time.total_s <= 1.10 * plan.baseline_step_time.total_s
+  assert plan.step_time.total_s <= 1.15 * plan.baseline_step_time.total_s
   assert plan.step_time.recompute_s > 0
   assert "recomputed" in str(plan) and "predicted step time" in str(plan)
   assert any(r.getMessage().startswith("jlms: fitted") for r in caplog.records)

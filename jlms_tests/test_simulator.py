@@ -81,6 +81,32 @@ def test_a_cotangent_sum_computes_its_elementwise_operands_but_is_a_buffer():
              for v in _made_by(program, liveness, "add_any"))
 
 
+def test_a_narrow_value_read_by_several_kernels_is_a_buffer():
+  # A relu's mask (one byte per element, from four) gates a cotangent that
+  # two reductions read, as in BatchNorm's backward pass: recomputing it in
+  # both would read x twice, so XLA writes it once, where x is made, and x
+  # is free from there.
+  def two_reductions(x, g):
+    gated = jnp.where(x > 0, g, 0.0)
+    return gated.sum(0), (gated * g).sum(1)
+
+  def one_reduction(x, g):
+    return jnp.where(x > 0, g, 0.0).sum(0)
+
+  x = jnp.ones((512, 512))
+  for fun, kept in ((two_reductions, True), (one_reduction, False)):
+    program, liveness = _program(fun, x, x)
+    fusion = analyse_fusion(program, liveness)
+    mask, = _made_by(program, liveness, "gt")
+    gated, = _made_by(program, liveness, "select_n")
+    assert fusion.materialized[mask] == kept, fun.__name__
+    # The gated cotangent, as wide as its operands, is fused into each
+    # reduction either way.
+    assert not fusion.materialized[gated]
+    if kept:
+      assert fusion.last_read[program.invars[0]] == liveness.producer[mask]
+
+
 def test_a_fused_read_keeps_its_input_alive_until_the_fused_work_runs():
   def f(a, b):
     early = a * 3.0  # fused into the late add: a stays alive until then
