@@ -66,11 +66,14 @@ def _cheaper_as_buffer(kernels: int, operand_bytes: int, nbytes: int) -> bool:
   each of the `kernels` that read it, by the traffic either way: fused,
   each kernel reads the buffers behind it (`operand_bytes`); as a buffer,
   one kernel reads them and writes `nbytes`, and each reader reads those.
-  Only a value narrower than its operands can come out cheaper as a buffer:
-  a relu's mask (1 byte per element, from float32 inputs) read by the two
-  reductions of BatchNorm's backward pass is made in the forward pass with
-  the relu and kept (XLA's ResNet programs), while the same mask read by
-  one kernel is recomputed there."""
+  Only a value lighter than the buffers behind it can come out cheaper as
+  a buffer: a relu's mask (1 byte per element, from float32 inputs) read
+  by the two reductions of BatchNorm's backward pass is made in the
+  forward pass with the relu and kept (XLA's ResNet programs), while the
+  same mask read by one kernel is recomputed there; a transformer's
+  residual sum (half the bytes of its two operands) read by LayerNorm's
+  kernels and the backward pass is kept as an extra output of LayerNorm's
+  reduction."""
   # Fused, the readers read the operands `kernels` times; as a buffer, once,
   # plus the buffer's write and `kernels` reads.
   extra_when_fused = (kernels - 1) * operand_bytes
