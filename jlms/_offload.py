@@ -41,7 +41,8 @@ from jlms._loop_remat import (cheapest, loop_rematerializations,
                               rematerialize_in_loops)
 from jlms._loop_sink import loop_sinks, sink_into_loops
 from jlms._loops import find_scan_residuals, offload_scan_residuals
-from jlms._state import HostState, host_state, keep_state_on_host, state_pairs
+from jlms._state import (STATE_ON_HOST_COMPILER_OPTIONS, HostState, host_state,
+                         keep_state_on_host, state_pairs)
 from jlms._plan import Plan, build_plan
 from jlms._planner import Offload, plan_offloads
 from jlms._replan import PlanCounter
@@ -188,6 +189,11 @@ class OffloadedStep:
         donate_argnums=donate_argnums, donate_argnames=donate_argnames)
     self._jitted = jax.jit(_named_like(self._rewritten, fun),
                            **self.jit_options)
+    # The same, for signatures whose state the plan keeps on host.
+    self._jitted_state_on_host = jax.jit(
+        _named_like(self._rewritten, fun),
+        compiler_options=dict(STATE_ON_HOST_COMPILER_OPTIONS),
+        **self.jit_options)
     # jax.jit's own program, for signatures whose program jlms failed to
     # compile (jax.jit keeps the trace of `_rewritten` that failed).
     self._plain_jitted = jax.jit(fun, **self.jit_options)
@@ -251,7 +257,18 @@ class OffloadedStep:
     jlms's failed to compile."""
     if self._fallen_back and self._signature(args, kwargs) in self._fallen_back:
       return self._plain_jitted
+    if self._keeps_state_on_host(args, kwargs):
+      return self._jitted_state_on_host
     return self._jitted
+
+  def _keeps_state_on_host(self, args, kwargs) -> bool:
+    """Whether the plan for these arguments keeps state on host."""
+    if self.budget is KNOBS or self.state_on_host is False or not (
+        self.jit_options["donate_argnums"]
+        or self.jit_options["donate_argnames"]):
+      return False
+    analysis = self._analysis(args, kwargs)[0]
+    return analysis.failure is None and bool(analysis.state)
 
   def _after_failure(self, error: Exception, args, kwargs):
     """The step's outputs by jax.jit's program when `error` is a failure of
@@ -397,7 +414,7 @@ class OffloadedStep:
     pinned host memory, as on a GPU, even from abstract arguments of
     compile-only devices (which carry no memory kind)."""
     program = self._program_for(args, kwargs)
-    if program is self._jitted:
+    if program is self._jitted_state_on_host:
       analysis = self._analysis(args, kwargs)[0]
       if analysis.failure is None and analysis.state:
         # Lowered for the state in pinned host memory, as `__call__` runs
@@ -666,7 +683,9 @@ class OffloadedStep:
     def program_fn(*leaves):
       return _compat.bind_jit(jit_params, rewritten,
                               _placed_for(leaves, host_inputs))
-    jitted = jax.jit(program_fn, donate_argnums=donated)
+    options = dict(STATE_ON_HOST_COMPILER_OPTIONS) if host_inputs else None
+    jitted = jax.jit(program_fn, donate_argnums=donated,
+                     compiler_options=options)
     return xla_memory(_HostArguments(jitted, host_inputs), *abstract,
                       target=target).peak_bytes
 

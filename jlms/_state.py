@@ -31,6 +31,7 @@ how many bytes of state each way, for the time model.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Sequence
 
 import jax
@@ -50,6 +51,18 @@ from jlms._program import Const, Equation, Program
 _MAX_LOOP_LENGTH = 4096
 # A leaf smaller than this is copied whole: a loop buys nothing.
 _MIN_STREAMED_BYTES = 1 << 20
+
+
+# Compiler options for a program whose state is on host. XLA's
+# rematerialization pass takes every argument and output of the program to
+# be on the device, state on host included (its memory limit is 80% of the
+# device's less their bytes), so with the state on host its limit falls
+# below zero and it re-runs matmuls to save what the plan has already
+# saved: on the 6.58B-parameter GPT of `benchmarks.state_on_host`, 260 ms
+# of compute by the schedule model for 0.1 GiB of device memory. The plan
+# fits its budget itself, and XLA confirms its peak under these options.
+STATE_ON_HOST_COMPILER_OPTIONS = types.MappingProxyType(
+    {"xla_disable_hlo_passes": "rematerialization"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,7 +404,8 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
                           *state.on_device)
              if isinstance(program.outvars[o], int)}
   runs = _update_runs(program, liveness, on_host)
-  loop_at: dict[int, Equation] = {}  # index of a run's last equation
+  # index of a run's last equation -> its loop's equations
+  loop_at: dict[int, tuple[Equation, ...]] = {}
   removed: set[int] = set()
   loop_copies: dict[int, tuple[int, int]] = {}
   outvars = list(program.outvars)
@@ -446,7 +460,7 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
     if maker >= 0:
       # After the run's loop if the maker was folded into one.
       at = next((end for end, loop in loop_at.items()
-                 if atom in loop.outputs), maker)
+                 if atom in loop[-1].outputs), maker)
       copy_after.setdefault(at, []).append(copy)
     else:
       copy_before.setdefault(0, []).append(copy)
@@ -461,10 +475,12 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
                               aval_nbytes(avals[copy.outputs[0]]), 0))
       equations.append(copy)
     if index in loop_at:
+      *prelude, scan = loop_at[index]
+      equations.extend(prelude)
       to_device, to_host = loop_copies[index]
       copies.append(StateCopy(len(equations), to_device, to_host))
       index_of[index] = len(equations)
-      equations.append(loop_at[index])
+      equations.append(scan)
     elif index not in removed:
       index_of[index] = len(equations)
       swap = renamed.get(index)
@@ -492,7 +508,7 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
 def _update_loop(program: Program, liveness: Liveness, run: list[int],
                  on_host: set[int], host_outputs: set[int],
                  output_readers: dict, updated: dict[int, int], label,
-                 new_id) -> tuple[Equation, int, int, list[int]]:
+                 new_id) -> tuple[tuple[Equation, ...], int, int, list[int]]:
   """The scan equation that runs the equations of `run` one leading slice
   at a time. State on host is read slice by slice from host; a state leaf
   whose update (`updated`: input value -> output value) the run makes is
@@ -502,7 +518,8 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
   state that is only an output of the step is written slice by slice to
   a new host stack. Returns it, the bytes it moves to the device and to
   host, and the values it makes on host (the caller places their avals
-  there)."""
+  there). The scan comes last, after the equations that fetch its first
+  slices."""
   inside = set(run)
   made = {v for i in run for v in program.equations[i].outputs}
   shape = tuple(program.avals[program.equations[run[0]].outputs[0]].shape)
@@ -554,19 +571,36 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
     read_only = {h: buffers_of[h] for h in host_stacks
                  if h not in dict(carried)}
 
+    host_carried = [k for k, (h, _) in enumerate(carried)
+                    if h not in carried_on_device]
+    fetched_names = list(read_only) + [carried[k][0] for k in host_carried]
+
+    def slice_in(h, buffer, index):
+      # The last iteration fetches its own slice again, and drops it.
+      index = jnp.minimum(index, length - 1)
+      with jax.named_scope(profile_scope("swap_in", label(h))):
+        return jax.device_put(
+            jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False),
+            jax.memory.Space.Device)
+
+    def slice_out(out, buffer, value, index):
+      with jax.named_scope(profile_scope("swap_out", label(out))):
+        return jax.lax.dynamic_update_index_in_dim(
+            buffer, jax.device_put(value, jax.memory.Space.Host), index, 0)
+
     def iteration(state, device_slices):
-      index, buffers = state
+      # The slices of state on host are fetched an iteration ahead. A
+      # buffer updated in place gives its next slice and takes its updated
+      # one in either order, one after the other; so the buffers are split
+      # in two halves that go in opposite orders, and each half's copies in
+      # run beside the other half's copies out, on the other engine.
+      index, buffers, prefetched = state
       env = dict(zip(scalars, scalar_values))
       env.update(zip(scanned, device_slices))
-      for h, buffer in list(read_only.items()) + list(
-          zip((h for h, _ in carried), buffers)):
+      env.update(zip(fetched_names, prefetched))
+      for (h, _), buffer in zip(carried, buffers):
         if h in carried_on_device:
           env[h] = jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False)
-          continue
-        with jax.named_scope(profile_scope("swap_in", label(h))):
-          env[h] = jax.device_put(
-              jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False),
-              jax.memory.Space.Device)
       for equation in equations:
         args = [a.value if isinstance(a, Const) else env[a]
                 for a in equation.inputs]
@@ -576,24 +610,43 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
         else:
           results = _compat.bind_equation(equation.eqn, args)
         env.update(zip(equation.outputs, results))
-      new_buffers = []
-      for (h, out), buffer in zip(carried, buffers):
+      new_buffers = list(buffers)
+      for k, ((h, out), buffer) in enumerate(zip(carried, buffers)):
         if h in carried_on_device:
-          new_buffers.append(jax.lax.dynamic_update_index_in_dim(
-              buffer, env[out], index, 0))
-          continue
-        with jax.named_scope(profile_scope("swap_out", label(out))):
-          new_buffers.append(jax.lax.dynamic_update_index_in_dim(
-              buffer, jax.device_put(env[out], jax.memory.Space.Host),
-              index, 0))
+          new_buffers[k] = jax.lax.dynamic_update_index_in_dim(
+              buffer, env[out], index, 0)
+      next_of = {h: slice_in(h, buffer, index + 1)
+                 for h, buffer in read_only.items()}
+      half = (len(host_carried) + 1) // 2
+      reads_first, writes_first = host_carried[:half], host_carried[half:]
+      for k in reads_first:
+        h = carried[k][0]
+        next_of[h] = slice_in(h, buffers[k], index + 1)
+      for k in writes_first:
+        h, out = carried[k]
+        new_buffers[k] = slice_out(out, buffers[k], env[out], index)
+      for k in reads_first:
+        # Written only once its next slice has been read from it.
+        h, out = carried[k]
+        buffer, next_of[h] = jax.lax.optimization_barrier(
+            (buffers[k], next_of[h]))
+        new_buffers[k] = slice_out(out, buffer, env[out], index)
+      for k in writes_first:
+        h = carried[k][0]
+        next_of[h] = slice_in(h, new_buffers[k], index + 1)
       ys = [env[v] for v in outputs]
       for value in streamed_outs:
         with jax.named_scope(profile_scope("swap_out", label(value))):
           ys.append(jax.device_put(env[value], jax.memory.Space.Host))
-      return (index + 1, new_buffers), ys
+      return (index + 1, new_buffers,
+              [next_of[h] for h in fetched_names]), ys
 
-    (_, buffers), ys = jax.lax.scan(
-        iteration, (jnp.int32(0), [buffers_of[h] for h, _ in carried]),
+    first = [buffers_of[h] for h, _ in carried]
+    first_of = dict(read_only)
+    first_of.update((carried[k][0], first[k]) for k in host_carried)
+    start = [slice_in(h, first_of[h], jnp.int32(0)) for h in fetched_names]
+    (_, buffers, _), ys = jax.lax.scan(
+        iteration, (jnp.int32(0), first, start),
         [buffers_of[v] for v in scanned], length=length)
     return buffers, ys
 
@@ -610,30 +663,44 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
   n_scalars, n_device = len(scalars), len(device_stacks)
   ids = dict(zip(jaxpr.invars, scalars + device_stacks + host_stacks))
   host_inputs = set(jaxpr.invars[n_scalars + n_device:])
-  scans = []
+  consts = dict(zip(jaxpr.constvars, traced.consts))
+  name_stack = program.equations[run[0]].name_stack
+
+  def atoms(eqn):
+    inputs = []
+    for var in eqn.invars:
+      if isinstance(var, _compat.Literal):
+        inputs.append(Const(var.val, literal=var))
+      elif var in ids:
+        inputs.append(ids[var])
+      else:
+        inputs.append(Const(consts[var]))
+    return tuple(inputs)
+
+  loop = []  # the first slices' fetch, then the scan
   for eqn in jaxpr.eqns:
     if _compat.is_device_put(eqn) and eqn.invars[0] in host_inputs:
       ids[eqn.outvars[0]] = ids[eqn.invars[0]]  # cut: the program's host value
     elif eqn.primitive is _compat.scan_p:
-      scans.append(eqn)
-    else:
-      raise AssertionError(f"an update loop traced a {eqn.primitive}")
-  (scan_eqn,) = scans
-  consts = dict(zip(jaxpr.constvars, traced.consts))
-  inputs = []
-  for var in scan_eqn.invars:
-    if isinstance(var, _compat.Literal):
-      inputs.append(Const(var.val, literal=var))
-    elif var in ids:
-      inputs.append(ids[var])
-    else:
-      inputs.append(Const(consts[var]))
-  # Outputs: the loop counter (unused), the buffers updated in place, the
-  # stacks it makes (on the device, then on host).
-  outs = ([new_id(scan_eqn.outvars[0].aval)] + [o for _, o in carried]
-          + outputs + streamed_outs)
-  name_stack = program.equations[run[0]].name_stack
-  to_device = sum(aval_nbytes(program.avals[v]) for v in host_stacks)
+      # Outputs: the loop counter and the last fetch (unused), the buffers
+      # updated in place, the stacks it makes (on the device, then host).
+      n_fetched = len(eqn.outvars) - 1 - len(carried) - len(outputs) - len(
+          streamed_outs)
+      outs = ([new_id(eqn.outvars[0].aval)] + [o for _, o in carried]
+              + [new_id(v.aval) for v in eqn.outvars[1 + len(carried):][
+                  :n_fetched]]
+              + outputs + streamed_outs)
+      loop.append(Equation(eqn, atoms(eqn), tuple(outs), name_stack))
+    else:  # the first fetch: index arithmetic, a slice, a device_put
+      outs = []
+      for var in eqn.outvars:
+        ids[var] = new_id(var.aval)
+        outs.append(ids[var])
+      loop.append(Equation(eqn, atoms(eqn), tuple(outs), name_stack))
+  if not loop or loop[-1].eqn.primitive is not _compat.scan_p:
+    raise AssertionError("an update loop traced no scan")
+  # Each stack on host is read once, plus one slice fetched twice.
+  to_device = sum(aval_nbytes(program.avals[v]) for v in host_stacks
+                  ) * (length + 1) // length
   to_host = sum(aval_nbytes(program.avals[v]) for v in host_outs)
-  return (Equation(scan_eqn, tuple(inputs), tuple(outs), name_stack),
-          to_device, to_host, host_outs)
+  return tuple(loop), to_device, to_host, host_outs
