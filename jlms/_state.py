@@ -576,11 +576,15 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
     fetched_names = list(read_only) + [carried[k][0] for k in host_carried]
 
     def slice_in(h, buffer, index):
-      # The last iteration fetches its own slice again, and drops it.
+      # The last iteration fetches its own slice again, and drops it. The
+      # slice keeps its leading axis until it is on the device: before the
+      # loop its index is a constant, and XLA's host offloader refuses a
+      # host slice reshaped before its copy once SPMD has partitioned it.
+      # It is carried so too, and squeezed where it is read.
       index = jnp.minimum(index, length - 1)
       with jax.named_scope(profile_scope("swap_in", label(h))):
         return jax.device_put(
-            jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False),
+            jax.lax.dynamic_slice_in_dim(buffer, index, 1),
             jax.memory.Space.Device)
 
     def slice_out(out, buffer, value, index):
@@ -597,7 +601,8 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
       index, buffers, prefetched = state
       env = dict(zip(scalars, scalar_values))
       env.update(zip(scanned, device_slices))
-      env.update(zip(fetched_names, prefetched))
+      env.update((h, jnp.squeeze(fetched, 0))
+                 for h, fetched in zip(fetched_names, prefetched))
       for (h, _), buffer in zip(carried, buffers):
         if h in carried_on_device:
           env[h] = jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False)

@@ -94,7 +94,7 @@ def test_update_runs_one_slice_at_a_time():
   layout = jlms._compat.scan_layout(loops[0].eqn)
   assert layout.length == 6
   # The loop carries both leaves' next slices, fetched before it starts.
-  slice_shape = (8, 16)
+  slice_shape = (1, 8, 16)
   carried = [v.aval for v in loops[0].eqn.invars[
       layout.num_consts:layout.num_consts + layout.num_carry]]
   assert [tuple(a.shape) for a in carried].count(slice_shape) == 2
