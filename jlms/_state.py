@@ -9,10 +9,11 @@ brings to the device only what it computes on at the time:
   an `nn.scan`, forward and backward) is read from host one slice per
   iteration, as streamed scan residuals are (`jlms._loops`);
 - the optimizer's update of a leaf, a run of pointwise equations on arrays
-  of the leaf's shape, runs as a loop over the leaf's leading axis: each
-  iteration copies one slice of the state in, updates it, and copies the
-  updated slice to the host output; the gradient is read slice by slice
-  where it is on the device;
+  of the leaf's shape, runs as a loop over the leaf's leading axis (one
+  slice, or a chunk of rows of a long axis, per iteration): each
+  iteration updates its slice of the state, fetched an iteration ahead,
+  and copies the updated slice to the host output while the next slices
+  come in; the gradient is read slice by slice where it is on the device;
 - any other read takes a device copy of the whole leaf just before it;
 - an updated leaf not made on host by such a loop is copied there as soon
   as it is made.
@@ -45,10 +46,12 @@ from jlms._names import profile_scope
 from jlms._program import Const, Equation, Program
 
 # The leading axis a leaf's update loop runs over: at least 2 iterations
-# (XLA refuses a one-slice host stack, see `jlms._loops`), at most this
-# many (an embedding table's rows would make a loop of tens of thousands
-# of tiny iterations; such a leaf is copied whole instead).
+# (XLA refuses a one-slice host stack, see `jlms._loops`), one slice each
+# for at most this many; a longer leading axis (an embedding table's rows)
+# is taken in `_CHUNKS` or a few more chunks of rows, so that the loop is
+# not tens of thousands of tiny iterations.
 _MAX_LOOP_LENGTH = 4096
+_CHUNKS = 16
 # A leaf smaller than this is copied whole: a loop buys nothing.
 _MIN_STREAMED_BYTES = 1 << 20
 
@@ -291,10 +294,30 @@ def _is_sliceable(equation: Equation, program: Program, shape) -> bool:
   return True
 
 
+def _loop_rows(shape) -> int | None:
+  """The rows of a leaf of `shape` that one iteration of its update loop
+  takes: 1 for a leading axis of 2 to `_MAX_LOOP_LENGTH`; for a longer
+  one, the rows of the fewest chunks, at least `_CHUNKS`, that divide it;
+  None when there are none."""
+  rows = shape[0]
+  if 2 <= rows <= _MAX_LOOP_LENGTH:
+    return 1
+  for chunks in range(_CHUNKS, _MAX_LOOP_LENGTH + 1):
+    if rows > _MAX_LOOP_LENGTH and rows % chunks == 0:
+      return rows // chunks
+  return None
+
+
 def _streamable(aval) -> bool:
   shape = tuple(aval.shape)
-  return (len(shape) >= 2 and 2 <= shape[0] <= _MAX_LOOP_LENGTH
+  return (len(shape) >= 2 and _loop_rows(shape) is not None
           and aval_nbytes(aval) >= _MIN_STREAMED_BYTES)
+
+
+class _CannotLoop(Exception):
+  """A run that no update loop can make: its leaf is taken in chunks of
+  rows and the run makes stacks besides the state it updates in place.
+  Its reads then take whole copies."""
 
 
 def _update_runs(program: Program, liveness: Liveness,
@@ -410,9 +433,12 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
   loop_copies: dict[int, tuple[int, int]] = {}
   outvars = list(program.outvars)
   for run in runs:
-    loop, to_device, to_host, host_outs = _update_loop(
-        program, liveness, run, on_host, host_outputs, output_readers,
-        updated, label, new_id)
+    try:
+      loop, to_device, to_host, host_outs = _update_loop(
+          program, liveness, run, on_host, host_outputs, output_readers,
+          updated, label, new_id)
+    except _CannotLoop:
+      continue
     loop_at[run[-1]] = loop
     removed.update(run)
     loop_copies[run[-1]] = (to_device, to_host)
@@ -510,7 +536,8 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
                  output_readers: dict, updated: dict[int, int], label,
                  new_id) -> tuple[tuple[Equation, ...], int, int, list[int]]:
   """The scan equation that runs the equations of `run` one leading slice
-  at a time. State on host is read slice by slice from host; a state leaf
+  (or chunk of rows, see `_loop_rows`) at a time. State on host is read
+  slice by slice from host, an iteration ahead; a state leaf
   whose update (`updated`: input value -> output value) the run makes is
   updated in place, its host buffer carried through the loop and each
   updated slice written over the slice it was read from (the donated
@@ -519,7 +546,7 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
   a new host stack. Returns it, the bytes it moves to the device and to
   host, and the values it makes on host (the caller places their avals
   there). The scan comes last, after the equations that fetch its first
-  slices."""
+  slices. Raises `_CannotLoop` for a chunked run that makes stacks."""
   inside = set(run)
   made = {v for i in run for v in program.equations[i].outputs}
   shape = tuple(program.avals[program.equations[run[0]].outputs[0]].shape)
@@ -560,7 +587,26 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
   carried_on_device = {h for h, _ in carried if h in device_stacks}
   scanned = [v for v in device_stacks if v not in carried_on_device]
   equations = [program.equations[i] for i in run]
-  length = shape[0]
+  rows = _loop_rows(shape)
+  length = shape[0] // rows
+  # Chunks of rows keep their leading axis (single slices drop it); the
+  # stacks the loop makes would come out chunked, so a chunked run makes
+  # none.
+  chunked = rows > 1
+  if chunked and (outputs or streamed_outs):
+    raise _CannotLoop
+  slice_shape = (rows, *shape[1:]) if chunked else shape[1:]
+
+  def read_rows(buffer, index):
+    if chunked:
+      return jax.lax.dynamic_slice_in_dim(buffer, index * rows, rows)
+    return jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False)
+
+  def write_rows(buffer, value, index):
+    if chunked:
+      return jax.lax.dynamic_update_slice_in_dim(buffer, value, index * rows,
+                                                 0)
+    return jax.lax.dynamic_update_index_in_dim(buffer, value, index, 0)
 
   def call(scalar_values, device_values, host_values):
     # Traced on device values: the copies to host made here are cut off
@@ -584,13 +630,13 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
       index = jnp.minimum(index, length - 1)
       with jax.named_scope(profile_scope("swap_in", label(h))):
         return jax.device_put(
-            jax.lax.dynamic_slice_in_dim(buffer, index, 1),
+            jax.lax.dynamic_slice_in_dim(buffer, index * rows, rows),
             jax.memory.Space.Device)
 
     def slice_out(out, buffer, value, index):
       with jax.named_scope(profile_scope("swap_out", label(out))):
-        return jax.lax.dynamic_update_index_in_dim(
-            buffer, jax.device_put(value, jax.memory.Space.Host), index, 0)
+        return write_rows(
+            buffer, jax.device_put(value, jax.memory.Space.Host), index)
 
     def iteration(state, device_slices):
       # The slices of state on host are fetched an iteration ahead. A
@@ -601,25 +647,24 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
       index, buffers, prefetched = state
       env = dict(zip(scalars, scalar_values))
       env.update(zip(scanned, device_slices))
-      env.update((h, jnp.squeeze(fetched, 0))
+      env.update((h, fetched if chunked else jnp.squeeze(fetched, 0))
                  for h, fetched in zip(fetched_names, prefetched))
       for (h, _), buffer in zip(carried, buffers):
         if h in carried_on_device:
-          env[h] = jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False)
+          env[h] = read_rows(buffer, index)
       for equation in equations:
         args = [a.value if isinstance(a, Const) else env[a]
                 for a in equation.inputs]
         if _compat.is_scalar_broadcast(equation.eqn):
           results = [_compat.broadcast_scalar(equation.eqn, args[0],
-                                              shape[1:])]
+                                              slice_shape)]
         else:
           results = _compat.bind_equation(equation.eqn, args)
         env.update(zip(equation.outputs, results))
       new_buffers = list(buffers)
       for k, ((h, out), buffer) in enumerate(zip(carried, buffers)):
         if h in carried_on_device:
-          new_buffers[k] = jax.lax.dynamic_update_index_in_dim(
-              buffer, env[out], index, 0)
+          new_buffers[k] = write_rows(buffer, env[out], index)
       next_of = {h: slice_in(h, buffer, index + 1)
                  for h, buffer in read_only.items()}
       half = (len(host_carried) + 1) // 2
@@ -650,9 +695,12 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
     first_of = dict(read_only)
     first_of.update((carried[k][0], first[k]) for k in host_carried)
     start = [slice_in(h, first_of[h], jnp.int32(0)) for h in fetched_names]
+    # A chunked stack on the device is scanned as (chunks, rows, ...): a
+    # reshape XLA makes a bitcast.
+    xs = [jnp.reshape(buffers_of[v], (length, *slice_shape)) if chunked
+          else buffers_of[v] for v in scanned]
     (_, buffers, _), ys = jax.lax.scan(
-        iteration, (jnp.int32(0), first, start),
-        [buffers_of[v] for v in scanned], length=length)
+        iteration, (jnp.int32(0), first, start), xs, length=length)
     return buffers, ys
 
   def device_aval(value):

@@ -20,7 +20,9 @@ from flax.training import train_state
 import jlms
 from jlms import _state
 from jlms._liveness import analyse
+from jlms._config import OffloadConfig
 from jlms._program import flatten
+from jlms._rewrite import rewrite
 
 from benchmarks import zoo
 
@@ -104,6 +106,36 @@ def test_update_runs_one_slice_at_a_time():
         rewritten.avals[rewritten.outvars[position]])
     assert jlms._compat.is_host_aval(
         rewritten.avals[rewritten.invars[position]])
+
+
+def test_a_leaf_of_many_rows_is_updated_in_chunks():
+  # An embedding table's 8192 rows: 16 iterations of 512 rows, not 8192
+  # of one row, nor a whole copy of the table and its moment.
+  def step(w, m, g):
+    m = 0.9 * m + 0.1 * g
+    return w - 0.01 * m, m
+
+  shapes = [jax.ShapeDtypeStruct((8192, 4), jnp.float32)] * 3
+  program = flatten(jax.make_jaxpr(step)(*shapes))
+  liveness = analyse(program)
+  state = _state.host_state(program, liveness,
+                            _state.state_pairs(program, (0, 1)))
+  rewritten, copies, _ = _state.keep_state_on_host(program, state)
+  (loop,) = [e for e in rewritten.equations if e.primitive.name == "scan"]
+  assert jlms._compat.scan_layout(loop.eqn).length == 16
+  size = 8192 * 4 * 4
+  assert [(c.to_device, c.to_host) for c in copies] == [
+      (2 * size + 2 * size // 16, 2 * size)]
+  # Run on the CPU, host arrays included: the same values as the step's.
+  keys = jax.random.split(jax.random.key(0), 3)
+  args = [jax.random.normal(k, (8192, 4)) for k in keys]
+  on_host = [jax.device_put(x, jax.memory.Space.Host) for x in args[:2]]
+  closed = rewrite(rewritten, (), OffloadConfig())
+  outputs = jax.jit(lambda *a: jlms._compat.eval_jaxpr(
+      closed.jaxpr, closed.consts, *a))(*on_host, args[2])
+  for got, want in zip(outputs, step(*args)):
+    np.testing.assert_allclose(np.asarray(_on_device(got)), want,
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_gpt_outputs_equal_jit_over_steps_with_state_on_host():
