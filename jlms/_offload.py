@@ -261,11 +261,16 @@ class OffloadedStep:
       return self._jitted_state_on_host
     return self._jitted
 
+  def _may_keep_state_on_host(self) -> bool:
+    """Whether any plan of this step may keep state on host: one made
+    under a budget, of a step that donates its state."""
+    return (self.budget is not KNOBS and self.state_on_host is not False
+            and bool(self.jit_options["donate_argnums"]
+                     or self.jit_options["donate_argnames"]))
+
   def _keeps_state_on_host(self, args, kwargs) -> bool:
     """Whether the plan for these arguments keeps state on host."""
-    if self.budget is KNOBS or self.state_on_host is False or not (
-        self.jit_options["donate_argnums"]
-        or self.jit_options["donate_argnames"]):
+    if not self._may_keep_state_on_host():
       return False
     analysis = self._analysis(args, kwargs)[0]
     return analysis.failure is None and bool(analysis.state)
@@ -313,9 +318,7 @@ class OffloadedStep:
     pinned host memory: state that arrives on the device is copied there
     first (by `place`; the caller's arrays stay valid), with one warning
     per signature that says what it costs."""
-    if self.budget is KNOBS or self.state_on_host is False or not (
-        self.jit_options["donate_argnums"]
-        or self.jit_options["donate_argnames"]):
+    if not self._may_keep_state_on_host():
       return args, kwargs
     leaves = self._split(args, kwargs).leaves
     if any(isinstance(x, jax.core.Tracer) for x in leaves):

@@ -300,12 +300,11 @@ def _loop_rows(shape) -> int | None:
   one, the rows of the fewest chunks, at least `_CHUNKS`, that divide it;
   None when there are none."""
   rows = shape[0]
-  if 2 <= rows <= _MAX_LOOP_LENGTH:
-    return 1
-  for chunks in range(_CHUNKS, _MAX_LOOP_LENGTH + 1):
-    if rows > _MAX_LOOP_LENGTH and rows % chunks == 0:
-      return rows // chunks
-  return None
+  if rows <= _MAX_LOOP_LENGTH:
+    return 1 if rows >= 2 else None
+  chunks = next((c for c in range(_CHUNKS, _MAX_LOOP_LENGTH + 1)
+                 if rows % c == 0), None)
+  return None if chunks is None else rows // chunks
 
 
 def _streamable(aval) -> bool:
@@ -598,15 +597,18 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
   slice_shape = (rows, *shape[1:]) if chunked else shape[1:]
 
   def read_rows(buffer, index):
-    if chunked:
-      return jax.lax.dynamic_slice_in_dim(buffer, index * rows, rows)
-    return jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False)
+    # The leading axis is kept: before the loop the index is a constant,
+    # and XLA's host offloader refuses a host slice reshaped before its
+    # copy once SPMD has partitioned it. A single slice drops it where it
+    # is read (`as_read`), on the device.
+    return jax.lax.dynamic_slice_in_dim(buffer, index * rows, rows)
+
+  def as_read(rows_read):
+    return rows_read if chunked else jnp.squeeze(rows_read, 0)
 
   def write_rows(buffer, value, index):
-    if chunked:
-      return jax.lax.dynamic_update_slice_in_dim(buffer, value, index * rows,
-                                                 0)
-    return jax.lax.dynamic_update_index_in_dim(buffer, value, index, 0)
+    return jax.lax.dynamic_update_slice_in_dim(
+        buffer, value if chunked else value[None], index * rows, 0)
 
   def call(scalar_values, device_values, host_values):
     # Traced on device values: the copies to host made here are cut off
@@ -622,16 +624,11 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
     fetched_names = list(read_only) + [carried[k][0] for k in host_carried]
 
     def slice_in(h, buffer, index):
-      # The last iteration fetches its own slice again, and drops it. The
-      # slice keeps its leading axis until it is on the device: before the
-      # loop its index is a constant, and XLA's host offloader refuses a
-      # host slice reshaped before its copy once SPMD has partitioned it.
-      # It is carried so too, and squeezed where it is read.
+      # The last iteration fetches its own slice again, and drops it.
       index = jnp.minimum(index, length - 1)
       with jax.named_scope(profile_scope("swap_in", label(h))):
-        return jax.device_put(
-            jax.lax.dynamic_slice_in_dim(buffer, index * rows, rows),
-            jax.memory.Space.Device)
+        return jax.device_put(read_rows(buffer, index),
+                              jax.memory.Space.Device)
 
     def slice_out(out, buffer, value, index):
       with jax.named_scope(profile_scope("swap_out", label(out))):
@@ -647,11 +644,11 @@ def _update_loop(program: Program, liveness: Liveness, run: list[int],
       index, buffers, prefetched = state
       env = dict(zip(scalars, scalar_values))
       env.update(zip(scanned, device_slices))
-      env.update((h, fetched if chunked else jnp.squeeze(fetched, 0))
+      env.update((h, as_read(fetched))
                  for h, fetched in zip(fetched_names, prefetched))
       for (h, _), buffer in zip(carried, buffers):
         if h in carried_on_device:
-          env[h] = read_rows(buffer, index)
+          env[h] = as_read(read_rows(buffer, index))
       for equation in equations:
         args = [a.value if isinstance(a, Const) else env[a]
                 for a in equation.inputs]

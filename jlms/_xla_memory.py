@@ -432,20 +432,12 @@ def count_host_buffers(hlo_text: str) -> int:
     # (shape, computation, in entry computation, opcode and operands)
     rows: list[tuple[str, str, bool, str]] = []
     called_bodies: set[str] = set()
-    computation, in_entry = "", False
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION_HEADER.match(line)
-        if header and line.rstrip().endswith("{"):
-            in_entry, computation = bool(header.group(1)), header.group(2)
-            continue
-        instruction = _INSTRUCTION.match(line)
-        if not instruction:
-            continue
-        name, rest = instruction.groups()
-        shape, opcode_and_operands = _split_shape(rest)
-        shapes[name] = shape
-        rows.append((shape, computation, in_entry, opcode_and_operands))
-        called_bodies.update(_CALLEE.findall(opcode_and_operands))
+    for computation in hlo_computations(hlo_text):
+        for name, shape, opcode_and_operands in computation.instructions:
+            shapes[name] = shape
+            rows.append((shape, computation.name, computation.is_entry,
+                         opcode_and_operands))
+            called_bodies.update(_CALLEE.findall(opcode_and_operands))
 
     count = 0
     for shape, computation, in_entry, opcode_and_operands in rows:
@@ -458,6 +450,39 @@ def count_host_buffers(hlo_text: str) -> int:
             continue
         count += 1
     return count
+
+
+@dataclasses.dataclass(frozen=True)
+class HloComputation:
+    """One computation of an HLO module's text, its instructions in the
+    module's order (the schedule, in a compiled module): (name, shape,
+    opcode with operands and attributes)."""
+    name: str
+    is_entry: bool
+    instructions: tuple[tuple[str, str, str], ...]
+
+
+def hlo_computations(hlo_text: str) -> list[HloComputation]:
+    """The computations of an HLO module's text, in order."""
+    found: list[HloComputation] = []
+    name, is_entry, instructions = None, False, []
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION_HEADER.match(line)
+        if header and line.rstrip().endswith("{"):
+            if name is not None:
+                found.append(HloComputation(name, is_entry,
+                                            tuple(instructions)))
+            is_entry, name, instructions = (bool(header.group(1)),
+                                            header.group(2), [])
+            continue
+        instruction = _INSTRUCTION.match(line)
+        if not instruction:
+            continue
+        instruction_name, rest = instruction.groups()
+        instructions.append((instruction_name, *_split_shape(rest)))
+    if name is not None:
+        found.append(HloComputation(name, is_entry, tuple(instructions)))
+    return found
 
 
 def _split_shape(text: str) -> tuple[str, str]:

@@ -23,6 +23,7 @@ from jlms._liveness import analyse
 from jlms._config import OffloadConfig
 from jlms._program import flatten
 from jlms._rewrite import rewrite
+from jlms._xla_memory import hlo_computations
 
 from benchmarks import zoo
 
@@ -205,29 +206,20 @@ def _update_loops_overlapping_copies(hlo_text: str) -> tuple[int, int]:
   """(loops that read slices from host and write slices to host, those of
   them in whose scheduled body a read from host is issued while a write
   to host is under way) in XLA's compiled program."""
-  bodies: dict[str, list[tuple[str, str]]] = {}
-  name = None
-  for line in hlo_text.splitlines():
-    header = re.match(r"^(?:ENTRY )?%([\w.\-]+) ", line)
-    if header:
-      name = header.group(1)
-      bodies[name] = []
-      continue
-    instruction = re.match(r"\s+(?:ROOT )?%([\w.\-]+) = (.*)$", line)
-    if name and instruction:
-      bodies[name].append(instruction.groups())
   loops = overlapping = 0
-  for instructions in bodies.values():
-    writes = [i for i, (n, text) in enumerate(instructions)
-              if n.startswith("dynamic-update-slice-start") and "S(5)" in text]
-    reads = [i for i, (n, text) in enumerate(instructions)
-             if n.startswith("dynamic-slice-start") and "S(5)" in text]
+  for computation in hlo_computations(hlo_text):
+    instructions = computation.instructions
+    writes = [i for i, (name, shape, _) in enumerate(instructions)
+              if name.startswith("dynamic-update-slice-start")
+              and "S(5)" in shape]
+    reads = [i for i, (name, shape, _) in enumerate(instructions)
+             if name.startswith("dynamic-slice-start") and "S(5)" in shape]
     if not writes or not reads:
       continue
     loops += 1
     done_at = {}
-    for i, (_, text) in enumerate(instructions):
-      started = re.search(r"fusion-done\(%([\w.\-]+)\)", text)
+    for i, (_, _, rest) in enumerate(instructions):
+      started = re.match(r"fusion-done\(%([\w.\-]+)\)", rest)
       if started:
         done_at[started.group(1)] = i
     if any(w < r < done_at[instructions[w][0]] for w in writes for r in reads):
