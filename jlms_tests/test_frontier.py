@@ -48,6 +48,10 @@ def test_resnet_halfway_fits_in_about_jits_time(resnet, monkeypatch):
   ms, plan = _predicted_ms(case.step, args, budget=budget)
   assert plan.xla_peak_bytes <= budget
   assert 2 <= len(compiles) <= 3  # the step as it is, the plan, a re-fit
+  # The first plan left 2.8% of the budget unused (the simulator overstates
+  # its peak by 2.3%); fitted again with that room, the plan XLA confirms
+  # remakes a 128 MiB value fewer (24.6 -> 24.3 ms by the schedule model).
+  assert plan.xla_peak_bytes >= 0.99 * budget
   assert plan.recomputed  # BatchNorm and relu outputs, remade
   assert plan.offloaded_bytes == 0  # host copies would be exposed
   assert ms <= 1.10 * jit_ms and ms <= remat_ms
