@@ -242,6 +242,14 @@ class Plan:
       verdict = ("fits without offloading"
                  if not self.offloaded and not self.state_leaves
                  else "fitted")
+      if (verdict == "fitted" and self.xla_peak_bytes is not None
+          and self.predicted_peak_bytes is not None
+          and self.xla_peak_bytes <= self.budget_bytes
+          < self.predicted_peak_bytes):
+        # The relaxed fit (`jlms._offload._relaxed_search`) searches the
+        # simulator's bytes above the budget where XLA's peak is below it.
+        verdict += (" by XLA's peak (the simulator's prediction is above "
+                    "the budget: it overstates this plan's peak)")
       lines.append(f"jlms: budget {format_bytes(self.budget_bytes)}: {verdict}")
     if self.not_applied is not None:
       lines.append(f"jlms: the step runs as jax.jit's program: "

@@ -23,11 +23,12 @@ def _program(fn, *args):
   return program, analyse(program)
 
 
-def test_a_matmul_costs_its_flops_at_the_tensor_core_peak():
+def test_a_matmul_costs_its_flops_at_the_tensor_core_peak_times_its_efficiency():
   a = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
   program, liveness = _program(lambda x, y: x @ y, a, a)
   seconds = kernel_seconds(program, H100)
-  assert seconds.sum() == pytest.approx(2 * 4096**3 / 989.4e12)
+  assert seconds.sum() == pytest.approx(
+      2 * 4096**3 / (989.4e12 * H100.efficiency["matmul"]))
 
 
 def test_an_elementwise_chain_is_one_kernel_priced_by_its_bytes():
@@ -35,7 +36,8 @@ def test_an_elementwise_chain_is_one_kernel_priced_by_its_bytes():
   program, _ = _program(lambda v: jnp.tanh(v * 2 + 1), x)
   seconds = kernel_seconds(program, H100)
   assert np.count_nonzero(seconds) == 1  # fused into the last equation
-  assert seconds.sum() == pytest.approx(2 * (1 << 26) / 3.35e12)
+  assert seconds.sum() == pytest.approx(
+      2 * (1 << 26) / (3.35e12 * H100.efficiency["memory"]))
 
 
 def test_a_scan_costs_its_length_times_its_body():
@@ -45,7 +47,7 @@ def test_a_scan_costs_its_length_times_its_body():
     return jax.lax.scan(lambda h, w: (h @ w, None), h, w)[0]
   program, _ = _program(layers, w, h)
   assert kernel_seconds(program, H100).sum() == pytest.approx(
-      12 * 2 * 1024**3 / 494.7e12, rel=0.05)
+      12 * 2 * 1024**3 / (494.7e12 * H100.efficiency["matmul"]), rel=0.05)
 
 
 def _matmul_chain(n):
@@ -96,3 +98,20 @@ def test_targets_and_their_links():
   assert TARGETS["gh200"].link_bytes_per_s > 5 * TARGETS["h100"].link_bytes_per_s
   with pytest.raises(ValueError, match="h100"):
     time_target("v100")
+
+
+@pytest.mark.slow  # traces eight full-size steps: about 30 s
+def test_the_time_model_is_calibrated_to_the_steps_measured_on_an_h100():
+  from benchmarks import time_model_error
+  errors = {}
+  for key, measured in time_model_error.MEASURED_H100_MS.items():
+    placed = time_model_error.placed_program(time_model_error.case_of(*key))
+    predicted = time_model_error.predicted_ms(placed, dict(H100.efficiency))
+    errors[key] = predicted / measured - 1
+  logs = [np.log1p(e) for e in errors.values()]
+  # At the roofline every step was predicted 8-48% short of its measured
+  # time (rms log error 0.47); calibrated, the worst is the scanned float32
+  # GPT under remat, 37% over: on that model the H100 runs remat faster
+  # than jax.jit (43.4 against 56.3 ms) and the model has it slower.
+  assert max(abs(e) for e in errors.values()) <= 0.40, errors
+  assert np.sqrt(np.mean(np.square(logs))) <= 0.2, errors

@@ -1,0 +1,187 @@
+"""jlms's time model against step times measured on a real H100, and the
+calibration of its kernel efficiencies.
+
+    python -m benchmarks.time_model_error [--no-yardstick] [--json PATH]
+
+The ground truth is the only one the project has: `jax.jit` and per-layer
+remat (`jax.checkpoint(nothing_saveable)`) steps of four models timed on an
+NVIDIA H100 80GB HBM3 (median of 8 steps, JAX 0.11.2;
+../shared/reference/H100-MEASURED.md, "Step time and memory"). These
+programs are the user's own, so the measurements hold whatever jlms's
+version. For each, the table gives:
+
+- the time jlms's model predicts for the program (`Plan.baseline_step_time`
+  of `jlms.offload(step, budget="1TiB")`: the step as it is), with the
+  efficiencies jlms ships (`jlms._cost.GpuTarget.efficiency`);
+- the same model at the roofline (every efficiency 1), and split into its
+  memory-bound and contraction parts;
+- the schedule model of XLA's compiled program
+  (`../shared/tools/step_time.py`), when that file is there;
+- each one's error against the measurement.
+
+Then it searches a grid of (memory, matmul, convolution) efficiencies for
+the least root-mean-square log error over the eight steps: the
+calibration that `jlms._cost` ships, reproduced. Nothing runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import dataclasses
+import itertools
+import math
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jlms
+from jlms import _cost
+from jlms._offload import _Analysed
+from jlms._placement import place_fused_at_readers
+from benchmarks import frontier, frontier_cases
+from benchmarks._output import write_json
+
+# Measured on an H100 80GB HBM3, ms per step (H100-MEASURED.md).
+MEASURED_H100_MS = {
+    ("resnet", "jax.jit"): 45.6,
+    ("resnet", "remat"): 55.5,
+    ("gpt_f32", "jax.jit"): 56.3,
+    ("gpt_f32", "remat"): 43.4,
+    ("gpt_bf16", "jax.jit"): 35.7,
+    ("gpt_bf16", "remat"): 29.1,
+    ("scan_mlp", "jax.jit"): 9.4,
+    ("scan_mlp", "remat"): 11.0,
+}
+
+_FACTORIES = {
+    "resnet": lambda remat: frontier_cases.resnet(remat=remat),
+    "gpt_f32": lambda remat: frontier_cases.gpt(remat=remat),
+    "gpt_bf16": lambda remat: frontier_cases.gpt(
+        remat=remat, compute_dtype=jnp.bfloat16),
+    "scan_mlp": lambda remat: frontier_cases.scan_mlp(remat=remat),
+}
+
+# The grid the calibration searches.
+MEMORY_GRID = np.round(np.arange(0.5, 1.001, 0.05), 2)
+MATMUL_GRID = np.round(np.arange(0.3, 1.001, 0.1), 2)
+CONV_GRID = np.round(np.arange(0.3, 0.601, 0.05), 2)
+
+
+def case_of(model: str, config: str):
+  return _FACTORIES[model](config == "remat")
+
+
+def placed_program(case) -> _Analysed:
+  """The step as jax.jit runs it, analysed and with fused equations placed
+  at their readers: what the time model prices."""
+  step = jlms.offload(case.step, budget="1TiB")
+  plain = step._analysis(case.abstract_args(), {})[0].plain
+  return _Analysed.of(place_fused_at_readers(plain.program, plain.liveness,
+                                             plain.fusion))
+
+
+def predicted_ms(placed: _Analysed, efficiency: dict,
+                 target: str = "h100") -> float:
+  """jlms's predicted time of the program with these kernel efficiencies."""
+  gpu = dataclasses.replace(_cost.TARGETS[target],
+                            efficiency=types.MappingProxyType(efficiency))
+  return 1e3 * float(_cost.kernel_seconds(
+      placed.program, gpu, placed.fusion, placed.liveness).sum())
+
+
+def log_errors(predicted: dict, measured: dict) -> list[float]:
+  return [math.log(predicted[key] / measured[key]) for key in measured]
+
+
+def calibrate(programs: dict) -> dict:
+  """The efficiencies on the grid with the least root-mean-square log error
+  against the measurements, and that error."""
+  best = None
+  for memory, matmul, conv in itertools.product(MEMORY_GRID, MATMUL_GRID,
+                                                CONV_GRID):
+    efficiency = {"memory": float(memory), "matmul": float(matmul),
+                  "conv": float(conv)}
+    predicted = {key: predicted_ms(p, efficiency)
+                 for key, p in programs.items()}
+    errors = log_errors(predicted, MEASURED_H100_MS)
+    rms = math.sqrt(sum(e * e for e in errors) / len(errors))
+    if best is None or rms < best["rms_log_error"]:
+      best = {"efficiency": efficiency, "rms_log_error": rms,
+              "max_abs_error": max(abs(math.expm1(e)) for e in errors)}
+  return best
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--no-yardstick", action="store_true",
+                      help="skip compiling for the schedule model")
+  parser.add_argument("--no-grid", action="store_true",
+                      help="skip the calibration search")
+  parser.add_argument("--json", default=None)
+  options = parser.parse_args(argv)
+  yardstick = None if options.no_yardstick else frontier.load_yardstick()
+  shipped = dict(_cost.TARGETS["h100"].efficiency)
+  roofline = {"memory": 1.0, "matmul": 1.0, "conv": 1.0}
+  programs, rows = {}, []
+  print(f"{'step':<10} {'config':<8} {'H100 ms':>8} {'jlms':>7} {'err':>7} "
+        f"{'roofline':>8} {'err':>7} {'memory':>7} {'contr.':>7} "
+        f"{'XLA sched':>9} {'err':>7}")
+  for (model, config), measured in MEASURED_H100_MS.items():
+    case = case_of(model, config)
+    placed = programs[model, config] = placed_program(case)
+    row = {"model": model, "config": config, "step": case.name,
+           "measured_ms": measured,
+           "jlms_ms": predicted_ms(placed, shipped),
+           "roofline_ms": predicted_ms(placed, roofline),
+           # Each part alone: the other kinds of kernel made free.
+           "memory_ms": predicted_ms(placed, {"memory": 1.0, "matmul": 1e9,
+                                              "conv": 1e9}),
+           "contraction_ms": predicted_ms(placed, {"memory": 1e9,
+                                                   "matmul": 1.0,
+                                                   "conv": 1.0}),
+           "yardstick_ms": None}
+    if yardstick is not None:
+      hlo = jlms.xla_memory(jax.jit(case.step), *case.abstract_args(),
+                            target="h100").hlo_text
+      row["yardstick_ms"] = float(yardstick.estimate(hlo)["total_ms"])
+    for key in ("jlms", "roofline", "yardstick"):
+      value = row[f"{key}_ms"]
+      row[f"{key}_error"] = None if value is None else value / measured - 1
+    rows.append(row)
+    cell = lambda v: "" if v is None else f"{v:.1f}"
+    pct = lambda v: "" if v is None else f"{v:+.0%}"
+    print(f"{model:<10} {config:<8} {measured:>8.1f} {row['jlms_ms']:>7.1f} "
+          f"{pct(row['jlms_error']):>7} {row['roofline_ms']:>8.1f} "
+          f"{pct(row['roofline_error']):>7} {row['memory_ms']:>7.1f} "
+          f"{row['contraction_ms']:>7.1f} {cell(row['yardstick_ms']):>9} "
+          f"{pct(row['yardstick_error']):>7}", flush=True)
+  summary = {}
+  for key in ("jlms", "roofline", "yardstick"):
+    errors = [r[f"{key}_error"] for r in rows if r[f"{key}_error"] is not None]
+    if errors:
+      logs = [math.log1p(e) for e in errors]
+      summary[key] = {"max_abs_error": max(abs(e) for e in errors),
+                      "rms_log_error": math.sqrt(sum(x * x for x in logs)
+                                                 / len(logs))}
+      print(f"{key:<10} largest error {summary[key]['max_abs_error']:.0%}, "
+            f"rms log error {summary[key]['rms_log_error']:.3f}")
+  result = {"target": "h100", "efficiency": shipped, "rows": rows,
+            "summary": summary}
+  if not options.no_grid:
+    best = calibrate(programs)
+    result["calibration"] = best
+    print(f"calibration: least rms log error {best['rms_log_error']:.3f} "
+          f"(largest error {best['max_abs_error']:.0%}) at "
+          f"{best['efficiency']}; jlms ships {shipped}")
+  write_json(options.json, result)
+  return result
+
+
+if __name__ == "__main__":
+  main()
