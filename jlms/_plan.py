@@ -157,6 +157,15 @@ class Plan:
     return None if self.timeline is None else self.timeline.host_peak_bytes
 
   @property
+  def fits_as_is(self) -> bool:
+    """Whether the plan leaves the step as it is: nothing offloaded or
+    recomputed, no state on host, and no loop rewritten (a scan's
+    residuals remade inside its backward loop change the predicted peak
+    without a value of their own)."""
+    return (not self.offloaded and not self.state_leaves
+            and self.predicted_peak_bytes == self.baseline_peak_bytes)
+
+  @property
   def recomputed(self) -> tuple[OffloadedValue, ...]:
     """The values made again rather than copied."""
     return tuple(v for v in self.offloaded if v.recomputed)
@@ -239,9 +248,7 @@ class Plan:
           f" without offloading, {format_bytes(self.predicted_peak_bytes)} "
           f"with it; host {format_bytes(self.predicted_host_bytes)}")
     if self.budget_bytes is not None:
-      verdict = ("fits without offloading"
-                 if not self.offloaded and not self.state_leaves
-                 else "fitted")
+      verdict = "fits without offloading" if self.fits_as_is else "fitted"
       if (verdict == "fitted" and self.xla_peak_bytes is not None
           and self.predicted_peak_bytes is not None
           and self.xla_peak_bytes <= self.budget_bytes

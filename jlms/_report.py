@@ -242,7 +242,7 @@ def _summary_rows(plan: Plan) -> list[tuple[str, str]]:
 def _verdict(plan: Plan) -> str:
   """Whether the step fits, by XLA's peak where known, else the
   simulator's."""
-  how = "fitted" if plan.offloaded else "fits without offloading"
+  how = "fits without offloading" if plan.fits_as_is else "fitted"
   if plan.xla_peak_bytes is not None:
     peak, by = plan.xla_peak_bytes, f"XLA's peak on {plan.xla_target}"
   elif plan.predicted_peak_bytes is not None:

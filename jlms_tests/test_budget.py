@@ -123,6 +123,19 @@ def test_a_budget_is_met_by_recomputing_what_is_cheap(resnet, caplog):
       F32_TOLERANCE)
 
 
+def test_a_plan_that_remakes_residuals_inside_a_loop_says_it_fitted():
+  from benchmarks import frontier_cases
+  case = frontier_cases.scan_mlp(layers=8, width=256, batch=512)
+  args = case.abstract_args()
+  peak = jlms.offload(case.step, budget="1TiB").plan(*args).baseline_peak_bytes
+  plan = jlms.offload(case.step, budget=int(0.8 * peak)).plan(*args)
+  # No value of its own is offloaded or remade: the scan's residuals are
+  # remade inside the backward loop, and the peak falls.
+  assert plan.offloaded == () and plan.predicted_peak_bytes < peak
+  assert not plan.fits_as_is
+  assert ": fitted" in str(plan) and "fits without offloading" not in str(plan)
+
+
 def test_room_xla_leaves_under_the_budget_is_fitted_once_more():
   from jlms._offload import _relaxed_search
   gib = 1 << 30
