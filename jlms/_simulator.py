@@ -47,6 +47,14 @@ class Fusion:
   materialized: np.ndarray  # bool per value id
   last_read: np.ndarray  # int per value id; -1 for values nobody reads
   executes_at: np.ndarray  # int per equation: where its work really happens
+  # Buffers made by their first reader's kernel rather than where the jaxpr
+  # makes them (see `L2_CACHE_BYTES`): value id -> (that reader's index, the
+  # buffers at least as large as it that its computation reads, alive there
+  # anyway). Such a value holds
+  # no memory before that reader unless one of those buffers is moved off
+  # the device (offloaded or recomputed): then XLA would have to keep the
+  # moved buffer for it, and `simulate` counts it from where it is made.
+  made_late: dict = dataclasses.field(default_factory=dict)
 
 
 # How far `analyse_fusion` looks: the buffers behind a fused value (an
@@ -59,6 +67,17 @@ _MOST_KERNELS_COUNTED = 16
 # fusing. A margin of 25% on the bytes reproduces its choices for the
 # ResNet's relu masks (see `_cheaper_as_buffer`).
 _FUSION_MARGIN = 1.25
+# XLA's performance model prices a re-read of a buffer smaller than the
+# GPU's L2 cache at cache speed (`ReadTimeWithDRAMHeuristic` in XLA's
+# gpu_performance_model_base.cc), and that decides where a fusible value
+# cheaper as a buffer is made. Deviceless for an H100, the 16-block
+# ResNet's relu masks (bool, read by the two reductions of BatchNorm's
+# backward pass) of 40.5 MiB (288x288 images) are made in the forward pass
+# beside their relu and kept; those of 50.0 MiB (320x320) and more are
+# made in the backward pass, by the first reduction that reads them, from
+# the convolution output kept for it anyway. 50 MiB is the L2 cache of an
+# H100 and an H200 (jlms/targets); an A100's is 40 MiB.
+L2_CACHE_BYTES = 50 << 20
 
 
 def _cheaper_as_buffer(kernels: int, operand_bytes: int, nbytes: int) -> bool:
@@ -160,7 +179,8 @@ def _place_kernels(program: Program, liveness: Liveness,
   """Where each equation's work runs and each value is last read, given the
   values fusion leaves as buffers (`materialized`, completed here with the
   fusible values cheaper as buffers, judged with the operands `buffers`
-  says are buffers). Returns (materialized, last_read, executes_at)."""
+  says are buffers). Returns (materialized, last_read, executes_at,
+  made_late)."""
   equations = program.equations
   n = len(equations)
   producer = liveness.producer
@@ -170,7 +190,8 @@ def _place_kernels(program: Program, liveness: Liveness,
   # The kernels each equation's work is done in: its own when it makes a
   # buffer, else those of the equations that read its results fused.
   kernels: list[frozenset] = [frozenset()] * n
-  read_bytes: dict[int, int] = {}
+  behind: dict[int, tuple[int, ...]] = {}
+  first_reads: dict[int, int] = {}  # large values cheaper as buffers
 
   def last_read_of(value: int) -> int:
     reads = uses[value]
@@ -180,14 +201,14 @@ def _place_kernels(program: Program, liveness: Liveness,
       return n
     return int(max(executes_at[r] for r in reads))
 
-  def buffers_read_by(value: int) -> int:
-    """Bytes of the buffers that computing `value` inline reads: its
-    operands, through the fused values among them (broadcasts count as
-    nothing: each reader makes them from a few bytes)."""
-    if value in read_bytes:
-      return read_bytes[value]
+  def buffers_behind(value: int) -> tuple[int, ...]:
+    """The buffers that computing `value` inline reads: its operands,
+    through the fused values among them (not broadcasts: each reader makes
+    them from a few bytes)."""
+    if value in behind:
+      return behind[value]
     seen: set[int] = set()
-    total = 0
+    found = []
     pending = [a for a in equations[producer[value]].inputs
                if isinstance(a, int)]
     while pending and len(seen) < _MOST_BUFFERS_FOLLOWED:
@@ -197,12 +218,13 @@ def _place_kernels(program: Program, liveness: Liveness,
       seen.add(operand)
       made_by = producer[operand]
       if made_by < 0 or buffers[operand]:
-        total += liveness.nbytes[operand]
+        found.append(operand)
       elif not is_expansion(program, liveness, operand):
         pending.extend(a for a in equations[made_by].inputs
                        if isinstance(a, int))
-    read_bytes[value] = total
-    return total
+    behind[value] = tuple(found)
+    return behind[value]
+
 
   # Reverse order: an equation's reads are all later, so their execution
   # points and kernels are known when its outputs are decided.
@@ -213,9 +235,12 @@ def _place_kernels(program: Program, liveness: Liveness,
           or uses[out][-1] >= n):
         continue
       readers = frozenset().union(*(kernels[r] for r in uses[out]))
+      operand_bytes = sum(liveness.nbytes[b] for b in buffers_behind(out))
       if len(readers) > 1 and _cheaper_as_buffer(
-          len(readers), buffers_read_by(out), liveness.nbytes[out]):
+          len(readers), operand_bytes, liveness.nbytes[out]):
         materialized[out] = True
+        if len(outputs) == 1 and liveness.nbytes[out] >= L2_CACHE_BYTES:
+          first_reads[out] = min(int(executes_at[r]) for r in uses[out])
     latest = -1
     any_buffer = False
     for out in outputs:
@@ -236,7 +261,16 @@ def _place_kernels(program: Program, liveness: Liveness,
       kernels[index] = readers
   for value in program.invars:
     last_read[value] = last_read_of(value)
-  return materialized, last_read, executes_at
+  # Made by its first reader when the buffers behind it at least as large
+  # as it are read there or later anyway (XLA keeps smaller ones, such as
+  # BatchNorm's statistics, for it at no cost worth counting).
+  made_late: dict[int, tuple[int, tuple[int, ...]]] = {}
+  for value, first in first_reads.items():
+    large = tuple(b for b in buffers_behind(value)
+                  if liveness.nbytes[b] >= liveness.nbytes[value])
+    if all(last_read[b] >= first for b in large):
+      made_late[value] = (first, large)
+  return materialized, last_read, executes_at, made_late
 
 
 def _swap_in_end(swap_in, executes_at) -> int:
@@ -362,7 +396,10 @@ def simulate(program: Program, liveness: Liveness,
   if fusion is None:
     fusion = analyse_fusion(program, liveness, frozenset(offload_of))
   nbytes = np.asarray(liveness.nbytes, dtype=np.int64)
-  start = np.asarray(liveness.producer, dtype=np.int64)
+  start = np.array(liveness.producer, dtype=np.int64)
+  for value, (made_at, buffers) in fusion.made_late.items():
+    if value not in offload_of and not any(b in offload_of for b in buffers):
+      start[value] = made_at
   stop = fusion.last_read.copy()
   outputs = [a for a in program.outvars if isinstance(a, int)]
   donors: dict[int, int] = {}

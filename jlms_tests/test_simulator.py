@@ -10,7 +10,7 @@ from jlms import _compat
 from jlms._liveness import analyse
 from jlms._planner import Offload, SwapIn
 from jlms._program import flatten
-from jlms._simulator import analyse_fusion, simulate
+from jlms._simulator import L2_CACHE_BYTES, analyse_fusion, simulate
 
 MIB = 1 << 20
 
@@ -105,6 +105,49 @@ def test_a_narrow_value_read_by_several_kernels_is_a_buffer():
     assert not fusion.materialized[gated]
     if kept:
       assert fusion.last_read[program.invars[0]] == liveness.producer[mask]
+
+
+def test_a_mask_as_large_as_the_l2_cache_is_made_by_its_first_reader():
+  # XLA makes a mask it keeps as a buffer beside the relu that makes it when
+  # the mask is smaller than the GPU's L2 cache, and in the first kernel
+  # that reads it when not (the ResNet's masks flip between 288x288 and
+  # 320x320 images; see `L2_CACHE_BYTES`), from x, kept for a later read
+  # anyway: then the mask takes no memory across the work between the two.
+  # If x itself is moved off the device, XLA would have to keep x for the
+  # mask: the mask is counted from where the jaxpr makes it.
+  def gap(x, g, w):
+    mask = x > 0
+    far = (w @ w) @ w
+    gated = jnp.where(mask, g, 0.0)
+    return gated.sum(0) + far.sum(), (gated * g).sum(1) + (x * g).sum(1)
+
+  w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+  for rows, late in ((512, False), (L2_CACHE_BYTES // 8192, True)):
+    x = jax.ShapeDtypeStruct((rows, 8192), jnp.float32)
+    program, liveness = _program(lambda x, g, w: gap(jnp.sin(x), g, w),
+                                 x, x, w)
+    fusion = analyse_fusion(program, liveness)
+    mask, = _made_by(program, liveness, "gt")
+    sin, = _made_by(program, liveness, "sin")
+    assert (liveness.nbytes[mask] >= L2_CACHE_BYTES) == late
+    assert fusion.materialized[mask]
+    assert (mask in fusion.made_late) == late, rows
+    last_matmul = max(liveness.producer[v] for v in
+                      _made_by(program, liveness, "dot_general"))
+    timeline = simulate(program, liveness, fusion=fusion)
+    temporaries = timeline.device_bytes[last_matmul] - timeline.fixed_bytes
+    assert fusion.materialized[sin]
+    # Besides x, only the matmuls' 256 KiB temporaries, and the mask if
+    # it is made where the jaxpr makes it.
+    mask_alive = temporaries - liveness.nbytes[sin] >= liveness.nbytes[mask]
+    assert mask_alive == (not late), rows
+    if late:  # x recomputed before its last read: the mask holds memory
+      recompute_x = Offload(sin, liveness.producer[mask], (SwapIn(
+          liveness.uses[sin][-1], (liveness.uses[sin][-1],)),),
+                            recompute=(liveness.producer[sin],))
+      moved = simulate(program, liveness, (recompute_x,), fusion=fusion)
+      assert (moved.device_bytes[last_matmul] - moved.fixed_bytes
+              >= liveness.nbytes[mask])
 
 
 def test_a_fused_read_keeps_its_input_alive_until_the_fused_work_runs():
