@@ -59,6 +59,22 @@ def stream_small_leaves(monkeypatch):
   monkeypatch.setattr(_state, "_MIN_STREAMED_BYTES", 1)
 
 
+@pytest.fixture(scope="module")
+def gpt_on_host():
+  """(the 3-layer GPT, its step with the state on host at budget="min"),
+  shared by the tests of that step (marked `_SHARED_GPT`, so that they run
+  on one worker): the step plans once (about 3 s of tracing and fitting)
+  and compiles once for each signature, instead of once in each test. Each
+  test calls it with its own arguments; only the warning test passes it
+  state on the device, so its warning is its own."""
+  case = _small_gpt()
+  return case, jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
+                            state_on_host=True, min_bytes=_LEAF)
+
+
+_SHARED_GPT = pytest.mark.xdist_group("state_gpt")
+
+
 def test_state_pairs_are_the_donated_inputs_returned_updated():
   def step(params, batch):
     return jax.tree.map(lambda p: p - batch.mean(), params), batch.sum()
@@ -139,11 +155,10 @@ def test_a_leaf_of_many_rows_is_updated_in_chunks():
                                rtol=1e-6, atol=1e-6)
 
 
-def test_gpt_outputs_equal_jit_over_steps_with_state_on_host():
-  case = _small_gpt()
+@_SHARED_GPT
+def test_gpt_outputs_equal_jit_over_steps_with_state_on_host(gpt_on_host):
+  case, step = gpt_on_host
   args = case.make_args()
-  step = jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
-                      state_on_host=True, min_bytes=_LEAF)
   expected, actual = _copy(args), step.place(*_copy(args))
   reference = jax.jit(case.step)
   for _ in range(STEPS):
@@ -161,11 +176,10 @@ def test_gpt_outputs_equal_jit_over_steps_with_state_on_host():
   assert plan.state_leaves == kinds.count("pinned_host")
 
 
-def test_state_arriving_on_device_is_placed_with_one_warning():
-  case = _small_gpt(layers=2)
+@_SHARED_GPT
+def test_state_arriving_on_device_is_placed_with_one_warning(gpt_on_host):
+  case, step = gpt_on_host
   args = case.make_args()
-  step = jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
-                      state_on_host=True, min_bytes=_LEAF)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     (params, opt_state), _ = step(*_copy(args))
@@ -181,11 +195,10 @@ def test_state_arriving_on_device_is_placed_with_one_warning():
     step(params, opt_state, args[2])  # on host already: no warning
 
 
-def test_plan_names_where_state_lives():
-  case = _small_gpt(layers=2)
+@_SHARED_GPT
+def test_plan_names_where_state_lives(gpt_on_host):
+  case, step = gpt_on_host
   abstract = jax.eval_shape(case.make_args)
-  step = jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
-                      state_on_host=True, min_bytes=_LEAF)
   plan = step.plan(*abstract)
   params_kinds, opt_kinds, token_kind = plan.argument_kinds
   assert token_kind == "device"
@@ -393,14 +406,29 @@ def test_bad_state_options_say_what_to_do():
 
 
 def test_state_above_the_host_budget_is_refused_before_running():
-  case = _small_gpt(layers=2)
-  abstract = jax.eval_shape(case.make_args)
-  step = jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
-                      state_on_host=True, host_budget="64KiB",
-                      min_bytes=_LEAF)
+  # A two-layer MLP's Adam step (planned in a tenth of a second, where the
+  # GPT takes seconds): six state leaves of 16 KiB, 96 KiB on host, above
+  # a host budget of 64 KiB and within one of 1 GiB.
+  tx = optax.adam(1e-2)
+
+  def step(params, opt_state, x):
+    def loss_fn(params):
+      return jnp.mean((jnp.tanh(x @ params["first"]) @ params["second"]) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  params = {name: jax.ShapeDtypeStruct((64, 64), jnp.float32)
+            for name in ("first", "second")}
+  abstract = (params, jax.eval_shape(tx.init, params),
+              jax.ShapeDtypeStruct((8, 64), jnp.float32))
+  offload = lambda host_budget: jlms.offload(
+      step, donate_argnums=(0, 1), budget="min", state_on_host=True,
+      host_budget=host_budget, min_bytes=_LEAF)
   with pytest.raises(jlms.BudgetError,
                      match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"):
-    step.plan(*abstract)
+    offload("64KiB").plan(*abstract)
+  assert offload("1GiB").plan(*abstract).state_host_bytes == 6 * 64 * 64 * 4
 
 
 @pytest.mark.slow
