@@ -46,8 +46,13 @@ def test_a_scan_costs_its_length_times_its_body():
   def layers(w, h):
     return jax.lax.scan(lambda h, w: (h @ w, None), h, w)[0]
   program, _ = _program(layers, w, h)
+  matmul = 2 * 1024**3 / (494.7e12 * H100.efficiency["matmul"])
+  # XLA cuts each layer's weights out of the stack with a kernel of its own
+  # (a `loop_dynamic_slice_fusion` before the gemm, deviceless for an
+  # H100), which reads and writes the 4 MiB slice.
+  copy = 2 * 4 * 2**20 / (H100.hbm_bytes_per_s * H100.efficiency["memory"])
   assert kernel_seconds(program, H100).sum() == pytest.approx(
-      12 * 2 * 1024**3 / (494.7e12 * H100.efficiency["matmul"]), rel=0.05)
+      12 * (matmul + copy), rel=0.05)
 
 
 def _matmul_chain(n):
@@ -109,9 +114,10 @@ def test_the_time_model_is_calibrated_to_the_steps_measured_on_an_h100():
     predicted = time_model_error.predicted_ms(placed, dict(H100.efficiency))
     errors[key] = predicted / measured - 1
   logs = [np.log1p(e) for e in errors.values()]
-  # At the roofline every step was predicted 8-48% short of its measured
-  # time (rms log error 0.47); calibrated, the worst is the scanned float32
-  # GPT under remat, 37% over: on that model the H100 runs remat faster
-  # than jax.jit (43.4 against 56.3 ms) and the model has it slower.
+  # At the roofline every step was predicted 8-44% short of its measured
+  # time (rms log error 0.41); calibrated, the worst is the scanned float32
+  # GPT under remat, 34% over (rms 0.127): on that model the H100 runs
+  # remat faster than jax.jit (43.4 against 56.3 ms) and the model has it
+  # slower. Before a scan's stacking copies were priced: 37%, rms 0.149.
   assert max(abs(e) for e in errors.values()) <= 0.40, errors
   assert np.sqrt(np.mean(np.square(logs))) <= 0.2, errors
