@@ -41,6 +41,7 @@ import functools
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from benchmarks.models import TFLMS_KNOBS  # noqa: F401 (for the tests)
@@ -154,3 +155,28 @@ def max_relative_error(actual, expected) -> float:
     scale = max(float(np.max(np.abs(e))), np.finfo(np.float32).tiny)
     worst = max(worst, float(np.max(np.abs(a - e))) / scale)
   return worst
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+  """`--dist loadgroup` (pyproject's addopts) sends the tests of one
+  `xdist_group` to one worker by a suffix `@<group>` on their node ids,
+  which pytest-xdist (3.8) sets as `item._nodeid`; pytest 9.2 reads a
+  node's id from `item._id` instead, so the suffix was lost and a group's
+  tests went to any worker, each building the group's module-scoped
+  fixture (a large compile) again. Where the suffix is missing, it is set
+  here, after xdist's own hook."""
+  if not getattr(config.option, "loadgroup", False):
+    return
+  for item in items:
+    groups = sorted({str(mark.args[0] if mark.args
+                         else mark.kwargs.get("name", "default"))
+                     for mark in item.iter_markers("xdist_group")})
+    if not groups:
+      continue
+    suffix = "@" + "_".join(groups)
+    node_id = getattr(item, "_id", None)
+    if item.nodeid.endswith(suffix) or not hasattr(node_id, "parse"):
+      continue
+    # NodeId.parse keeps the string it is given as the id's text.
+    item._id = type(node_id).parse(item.nodeid + suffix)
