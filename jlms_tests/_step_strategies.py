@@ -127,8 +127,14 @@ class DrawnStep:
   offload: Callable[..., Any]
 
   def abstract_args(self) -> tuple[tuple, dict]:
-    args, kwargs = self.make_args()
-    return jax.tree.map(_abstract, (args, kwargs))
+    # Made once per step (`build` keeps one per spec): a property asks for
+    # them several times a draw, and each `make_args` fills every leaf.
+    abstract = self.__dict__.get("_abstract_args")
+    if abstract is None:
+      abstract = jax.tree.map(_abstract, self.make_args())
+      object.__setattr__(self, "_abstract_args", abstract)
+    args, kwargs = abstract
+    return args, dict(kwargs)
 
   def next_args(self, args: tuple, outputs) -> tuple:
     args = list(args)
