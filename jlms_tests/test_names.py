@@ -128,10 +128,15 @@ def test_a_name_too_long_for_any_elision_takes_a_line_of_its_own():
   assert lines[3].split()[0] == "short"
 
 
+_ZOO_PLANS = pytest.mark.xdist_group("zoo_plans")
+
+
 @functools.cache
 def _zoo_plan(name: str) -> jlms.Plan:
   """The plan of the zoo's tiny `name` (simulator and time model: no
-  compile)."""
+  compile), made once per process: the tests that read these plans
+  (`_ZOO_PLANS`) run on one worker, since a plan takes 1.5 to 5 s (mostly
+  tracing the Flax model)."""
   case = _tiny_case(name)
   return jlms.offload(case.step, min_bytes=1 << 10).plan(
       *case.abstract_args())
@@ -157,6 +162,7 @@ def _table_rows(text: str) -> list[tuple[str, str]]:
   return rows
 
 
+@_ZOO_PLANS
 @pytest.mark.parametrize("name", sorted(zoo.ZOO))
 def test_plan_of_a_zoo_model_prints_names_and_shapes_whole(name):
   plan = _zoo_plan(name)
@@ -179,6 +185,7 @@ def test_plan_of_a_zoo_model_prints_names_and_shapes_whole(name):
     assert "(" not in full.replace(" (backward)", ""), full
 
 
+@_ZOO_PLANS
 @pytest.mark.parametrize("name", ["resnet50", "gpt"])
 def test_html_report_lists_the_plans_names_and_shapes(name):
   plan = _zoo_plan(name)
@@ -188,6 +195,7 @@ def test_html_report_lists_the_plans_names_and_shapes(name):
     assert f"<td>{html.escape(value.shape_text)}</td>" in page
 
 
+@_ZOO_PLANS
 def test_names_are_the_modules_in_the_models_variables_tree():
   # A value made in a layer with parameters is named by that layer's path in
   # the model's parameters, below the model's class.
