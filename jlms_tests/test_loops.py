@@ -138,4 +138,7 @@ def test_backward_scan_fetches_the_next_iterations_slices_ahead():
     outputs[prefetch] = jax.jit(
         lambda *a, c=rewritten: jax.core.eval_jaxpr(c.jaxpr, c.consts, *a)
     )(*jax.tree.leaves(args))
-  assert max_relative_error(outputs[True], outputs[False]) == 0.0
+  # The same values either way; the two programs fuse differently, and on
+  # XLA's older CPU loop emitters (JAX 0.10, conftest) they round apart by
+  # 2.9e-7. A slice of the wrong iteration is off by order one.
+  assert max_relative_error(outputs[True], outputs[False]) <= 1e-6
