@@ -41,22 +41,29 @@ if (os.environ["JAX_PLATFORMS"] == "cpu"
 
 import functools
 
-import jax
-import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 
-from benchmarks.models import TFLMS_KNOBS  # noqa: F401 (for the tests)
+# jax, numpy, hypothesis and the benchmarks are imported where they are
+# used (in the processes that run tests), not here: xdist's controller
+# imports this module too, before it starts its workers, and runs no test
+# (importing them took it about 2 s, with hypothesis's modules rewritten
+# for pytest's asserts).
+
 
 def __getattr__(name: str):
-  """`PLATFORM` and `F32_TOLERANCE`, worked out when a test module first
-  imports them: asking jax for its platform starts a backend, which a
-  worker process that imports the helpers here must not do before
+  """`PLATFORM`, `F32_TOLERANCE` and `TFLMS_KNOBS`, worked out when a test
+  module first imports them: asking jax for its platform starts a backend,
+  which a worker process that imports the helpers here must not do before
   `jax.distributed.initialize`."""
+  if name == "TFLMS_KNOBS":
+    from benchmarks.models import TFLMS_KNOBS
+    return TFLMS_KNOBS
   if name == "PLATFORM":
     # The platform the tests run on: "cpu" unless JAX_PLATFORMS names a GPU.
+    import jax
     return jax.default_backend()
   if name == "F32_TOLERANCE":
+    import jax
     # Normwise relative error allowed between jlms's and jax.jit's float32
     # outputs. The two programs are compiled separately and XLA may order a
     # reduction differently around jlms's barriers: on JAX 0.12's CPU
@@ -76,20 +83,36 @@ def __getattr__(name: str):
 #: bfloat16 ulps (3.9e-3 each). A wrong value differs by 1e-1 and up.
 BF16_TOLERANCE = 2e-2
 
-# Hypothesis profiles of the property tests (jlms_tests/test_properties.py):
-# "quick" (the default, CI's) draws the same steps on every run; "long"
-# draws fresh ones, 500 in all: JLMS_HYPOTHESIS_PROFILE=long python -m
-# pytest jlms_tests/test_properties.py. Compiles take seconds: no deadline.
-# Hypothesis's explain phase reruns a shrunk failure many times (minutes).
-_COMMON = dict(deadline=None, database=None, print_blob=True,
-               phases=[Phase.explicit, Phase.reuse, Phase.generate,
-                       Phase.shrink],
-               suppress_health_check=[HealthCheck.too_slow,
-                                      HealthCheck.data_too_large])
-settings.register_profile("quick", derandomize=True, **_COMMON)
-settings.register_profile("long", derandomize=False, **_COMMON)
 HYPOTHESIS_PROFILE = os.environ.get("JLMS_HYPOTHESIS_PROFILE", "quick")
-settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+def _load_hypothesis_profiles() -> None:
+  """Hypothesis profiles of the property tests (test_properties.py):
+  "quick" (the default, CI's) draws the same steps on every run; "long"
+  draws fresh ones, 500 in all: JLMS_HYPOTHESIS_PROFILE=long python -m
+  pytest jlms_tests/test_properties.py. Compiles take seconds: no
+  deadline. Hypothesis's explain phase reruns a shrunk failure many times
+  (minutes)."""
+  from hypothesis import HealthCheck, Phase, settings
+  common = dict(deadline=None, database=None, print_blob=True,
+                phases=[Phase.explicit, Phase.reuse, Phase.generate,
+                        Phase.shrink],
+                suppress_health_check=[HealthCheck.too_slow,
+                                       HealthCheck.data_too_large])
+  settings.register_profile("quick", derandomize=True, **common)
+  settings.register_profile("long", derandomize=False, **common)
+  settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+def pytest_configure(config):
+  """The Hypothesis profile, loaded before any test module is imported (a
+  test's `@settings` takes the profile's defaults when it is applied), in
+  every process that runs tests: not in xdist's controller, whose
+  workers do (they have `workerinput`; `-n 0` runs tests here)."""
+  if (getattr(config.option, "numprocesses", None)
+      and not hasattr(config, "workerinput")):
+    return
+  _load_hypothesis_profiles()
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
@@ -111,6 +134,7 @@ def fast_compile_options() -> dict:
   has them); the HLO passes, where host copies and barriers could be lost
   or reordered, run as always. On any other platform none: these options
   are the CPU backend's, and a GPU compile refuses them."""
+  import jax
   if jax.default_backend() != "cpu":
     return {}
   options = {"xla_backend_optimization_level": 0}
@@ -131,6 +155,8 @@ def backend_compiles() -> list[float]:
   """The seconds of each XLA backend compile in this process from the first
   call on (appended as they happen; one listener, registered once, since
   jax.monitoring has no public way to remove one)."""
+  import jax
+
   def listener(event, seconds, **kwargs):
     if event == _BACKEND_COMPILE:
       _backend_compiles.append(seconds)
@@ -141,6 +167,8 @@ def backend_compiles() -> list[float]:
 def max_relative_error(actual, expected) -> float:
   """Worst, over the leaves of two pytrees, of max|a - e| / max|e| (the
   normwise error of each leaf, so that exact zeros do not divide)."""
+  import jax
+  import numpy as np
   actual_leaves = jax.tree.leaves(actual)
   expected_leaves = jax.tree.leaves(expected)
   assert jax.tree.structure(actual) == jax.tree.structure(expected)
