@@ -1,7 +1,9 @@
 """Shared test set-up: CPU jax (deviceless GPU compiles need it) and helpers."""
 
+import importlib
 import importlib.metadata
 import os
+import sys
 
 # Must precede the first import of jax: the CUDA plugin's start-up check fails
 # on a machine without a GPU otherwise, and no H100 topology can be made.
@@ -86,6 +88,23 @@ BF16_TOLERANCE = 2e-2
 HYPOTHESIS_PROFILE = os.environ.get("JLMS_HYPOTHESIS_PROFILE", "quick")
 
 
+def _import_without_assert_rewriting(module: str) -> None:
+  """Imports `module` past pytest's assertion rewriting, which pytest
+  applies to every module of a plugin's distribution: Hypothesis's 73
+  modules, rewritten again in every process wherever Python writes no
+  bytecode (PYTHONDONTWRITEBYTECODE=1, as on this machine), took 6 s
+  instead of 0.6 in a pytest process (this machine, loaded; about a tenth
+  of that unloaded). Hypothesis's own asserts are not this project's."""
+  rewriters = [finder for finder in sys.meta_path
+               if type(finder).__name__ == "AssertionRewritingHook"]
+  for finder in rewriters:
+    sys.meta_path.remove(finder)
+  try:
+    importlib.import_module(module)
+  finally:
+    sys.meta_path[:0] = rewriters
+
+
 def _load_hypothesis_profiles() -> None:
   """Hypothesis profiles of the property tests (test_properties.py):
   "quick" (the default, CI's) draws the same steps on every run; "long"
@@ -93,6 +112,8 @@ def _load_hypothesis_profiles() -> None:
   pytest jlms_tests/test_properties.py. Compiles take seconds: no
   deadline. Hypothesis's explain phase reruns a shrunk failure many times
   (minutes)."""
+  if "hypothesis" not in sys.modules:
+    _import_without_assert_rewriting("hypothesis.strategies")
   from hypothesis import HealthCheck, Phase, settings
   common = dict(deadline=None, database=None, print_blob=True,
                 phases=[Phase.explicit, Phase.reuse, Phase.generate,
