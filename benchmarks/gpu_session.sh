@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Everything jlms checks on a real NVIDIA GPU, in one run (a lent GPU is
+# counted in minutes): from the repository root, with `python3` the
+# interpreter that has JAX with CUDA, flax, optax, pytest, pytest-xdist and
+# hypothesis, and OUT a folder for what it writes.
+#
+#   1. the exported frontier programs timed (benchmarks/gpu_steps.py `run`;
+#      export them first, on any machine: `python -m benchmarks.gpu_steps
+#      export`), since that is what only a GPU can give;
+#   2. the `gpu` tests (jlms_tests/test_gpu.py) in one process;
+#   3. the rest of the quick tier with the GPU as JAX's default backend,
+#      on several processes that share the GPU (memory on demand).
+#
+# Each part has its own time limit (seconds: STEPS_S, GPU_TESTS_S, QUICK_S)
+# and its log in $OUT, so that a part that runs long leaves the others' work.
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+python=${PYTHON:-python3}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  "$python" -c 'import sys, jax, flax, optax; print(sys.version.split()[0], "jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, jax.devices())'
+} 2>&1 | tee "$OUT/versions.log"
+
+if [ -f .gpu_steps/manifest.json ]; then
+  echo "=== 1. frontier programs on the GPU"
+  timeout "${STEPS_S:-240}" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.99 \
+    "$python" -m benchmarks.gpu_steps run --out "$OUT" 2>&1 | tee "$OUT/gpu_steps.log"
+fi
+
+echo "=== 2. the gpu tests"
+timeout "${GPU_TESTS_S:-150}" env JAX_PLATFORMS=cuda,cpu \
+  "$python" -m pytest -m gpu -n 0 -p no:cacheprovider -rA --tb=short \
+  --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+
+echo "=== 3. the quick tier, GPU as the default backend"
+timeout "${QUICK_S:-180}" env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  "$python" -m pytest -m "not slow and not gpu" -n "${WORKERS:-8}" -p no:cacheprovider \
+  -rfE --tb=short --junitxml="$OUT/quick_tests.xml" > "$OUT/quick_tests.log" 2>&1
+echo "quick tier exit $?"
+tail -60 "$OUT/quick_tests.log"
+
+"$python" -m benchmarks.junit_json gpu="$OUT/gpu_tests.xml" \
+  quick_not_gpu="$OUT/quick_tests.xml" --json "$OUT/gpu_tests.json" \
+  --note "$(head -c 300 "$OUT/versions.log" | tr '\n' ' ')"
