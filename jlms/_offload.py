@@ -203,6 +203,10 @@ class OffloadedStep:
     # jax.jit's own program, for signatures whose program jlms failed to
     # compile (jax.jit keeps the trace of `_rewritten` that failed).
     self._plain_jitted = jax.jit(fun, **self.jit_options)
+    # jax.jit's program from the trace jlms already made: what `verify`
+    # compares with (a second jax.jit of `fun` would trace the step again).
+    self._as_traced_jitted = jax.jit(_named_like(self._as_traced, fun),
+                                     **self.jit_options)
     self._fallen_back: dict = {}  # signature -> jlms's failure
     self.strict = strict
     self._verify = verify
@@ -1187,6 +1191,16 @@ class OffloadedStep:
         self._analyses[self._signature(args, kwargs)] = (
             self._planning_failed(error, analysis.needs_plan))
     return self._fun(*args, **kwargs)  # jax.jit's program, in this trace
+
+  def _as_traced(self, *args, **kwargs):
+    """The step as traced, unchanged (jax.jit's program), staged from the
+    analysis's trace; the step itself where planning failed before one."""
+    analysis, leaves = self._analysis(args, kwargs)
+    if analysis.plain is None or analysis.plain.traced is None:
+      return self._fun(*args, **kwargs)
+    outs = _compat.bind_jit(analysis.jit_params, analysis.plain.traced,
+                            leaves)
+    return jax.tree.unflatten(analysis.out_tree, outs)
 
 
 def _named_like(method, fun):

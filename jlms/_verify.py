@@ -83,7 +83,8 @@ def compare_memory_of_call(step, args: tuple, kwargs: dict,
                            target: str) -> MemoryComparison:
   """`compare_memory` of `step(*args, **kwargs)`, whose keyword arguments
   may include one named `target` (the step's own)."""
-  baseline_fn = jax.jit(step.__wrapped__, **step.jit_options)
+  # jax.jit's program from the step's own trace: jlms traced it once.
+  baseline_fn = step._as_traced_jitted
   comparison = MemoryComparison(
       target=target,
       plan=step.plan(*args, **kwargs),

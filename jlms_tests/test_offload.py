@@ -200,6 +200,26 @@ def test_one_analysis_per_signature():
   assert len(traces) == 2
 
 
+def test_the_first_call_check_traces_the_step_once():
+  # On a GPU `verify` is on by default: it compared jlms's program with a
+  # jax.jit of the step made anew, which traced the step a second time
+  # (seen on an H100 as two traces of one signature).
+  traces = []
+
+  def counted(params, x):
+    traces.append(1)
+    return _sgd_step(params, x)
+
+  step = jlms.offload(counted, verify=True, **EAGER)
+  params, x = _mlp_args()
+  with warnings.catch_warnings():
+    # On a CPU nothing is in host memory, and the check says so.
+    warnings.simplefilter("ignore", jlms.OffloadIneffectiveWarning)
+    step(params, x)
+    step(params, x + 1.0)
+  assert len(traces) == 1
+
+
 def test_under_disable_jit_the_step_runs_op_by_op_as_jax_jit_does():
   params, x = _mlp_args()
   step = jlms.offload(_sgd_step, **EAGER)
