@@ -157,13 +157,31 @@ def _is_abstractable(leaf) -> bool:
   return True
 
 
+def on_device(tree, abstract: bool = True):
+  """`tree` as jax.jit's program takes it: its arrays in pinned host memory
+  (state that a plan keeps on host) in device memory instead, as abstract
+  arrays (`abstract`, for a compile) or copied there. A step compiled by
+  XLA for a GPU without jlms cannot return what it computes on host
+  arguments (XLA's error E1200)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  if abstract:
+    return jax.tree.unflatten(treedef, traceable(leaves))
+  return jax.tree.unflatten(treedef, [
+      jax.device_put(x, x.sharding.with_memory_kind("device"))
+      if _in_pinned_host(x) else x for x in leaves])
+
+
+def _in_pinned_host(leaf) -> bool:
+  return (isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+          and leaf.sharding.memory_kind == "pinned_host")
+
+
 def traceable(leaves) -> list:
   """`leaves` as the step is traced on them: arrays in pinned host memory
   as abstract arrays on the device (a step computes on its arguments; jlms
   places its state itself, `jlms._state`)."""
   def on_device(leaf):
-    if not (isinstance(leaf, jax.Array) and not isinstance(
-        leaf, jax.core.Tracer) and leaf.sharding.memory_kind == "pinned_host"):
+    if not _in_pinned_host(leaf):
       return leaf
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                 sharding=leaf.sharding.with_memory_kind(

@@ -32,7 +32,7 @@ import numpy as np
 from jlms import _compat
 from jlms._arguments import (SplitArguments, committed_where_they_are,
                              complete_argnums, host_positions,
-                             split_arguments, traceable)
+                             on_device, split_arguments, traceable)
 from jlms._config import OffloadConfig, SyncMode
 from jlms._fallback import (OffloadError, describe,
                             raise_unless_fallback_allowed, warn_fallback)
@@ -254,7 +254,7 @@ class OffloadedStep:
     args, kwargs = self._state_placed(args, kwargs)
     program = self._program_for(args, kwargs)
     if program is self._plain_jitted:
-      return program(*args, **kwargs)
+      return self._as_jax_jit(args, kwargs)
     try:
       self._check_once(args, kwargs)
       return program(*args, **kwargs)
@@ -298,10 +298,18 @@ class OffloadedStep:
         budget=format_bytes(analysis.plan.budget_bytes)
         if analysis.needs_plan else None)
     # jax.jit's own error, if it fails too, is the step's: it propagates.
-    outputs = self._plain_jitted(*args, **kwargs)
+    outputs = self._as_jax_jit(args, kwargs)
     self._fallen_back[key] = error
     warn_fallback(error, self._name, stacklevel=3)
     return outputs
+
+  def _as_jax_jit(self, args, kwargs):
+    """The step's outputs by jax.jit's program, with its state on the
+    device: state that a plan kept on host is copied back first (jax.jit's
+    program cannot take it from host; the state then stays on the device,
+    as under jax.jit)."""
+    args, kwargs = on_device((args, kwargs), abstract=False)
+    return self._plain_jitted(*args, **kwargs)
 
   def _failed_in_jlms(self, error: Exception, args, kwargs):
     """The signature whose jlms program raised `error`; None when the error
@@ -336,6 +344,8 @@ class OffloadedStep:
     analysis = self._analysis(args, kwargs)[0]
     if analysis.failure is not None or not analysis.state:
       return args, kwargs
+    if self._fallen_back and self._signature(args, kwargs) in self._fallen_back:
+      return args, kwargs  # jax.jit's program runs, with the state on device
     arrived = [leaves[i] for i in analysis.state.inputs
                if isinstance(leaves[i], jax.Array)
                and leaves[i].sharding.memory_kind != "pinned_host"]

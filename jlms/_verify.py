@@ -15,6 +15,7 @@ import warnings
 
 import jax
 
+from jlms._arguments import on_device
 from jlms._plan import Plan
 from jlms._units import format_bytes
 from jlms._xla_memory import XlaMemory, xla_memory_of_call
@@ -85,10 +86,14 @@ def compare_memory_of_call(step, args: tuple, kwargs: dict,
   may include one named `target` (the step's own)."""
   # jax.jit's program from the step's own trace: jlms traced it once.
   baseline_fn = step._as_traced_jitted
+  # Without jlms the state is on the device: jax.jit's program cannot take
+  # it from host.
+  base_args, base_kwargs = on_device((args, kwargs))
   comparison = MemoryComparison(
       target=target,
       plan=step.plan(*args, **kwargs),
-      baseline=xla_memory_of_call(baseline_fn, args, kwargs, target),
+      baseline=xla_memory_of_call(baseline_fn, base_args, base_kwargs,
+                                  target),
       offloaded=xla_memory_of_call(step, args, kwargs, target),
   )
   for problem in comparison.problems:

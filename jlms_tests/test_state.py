@@ -489,3 +489,89 @@ def test_gpt_of_six_billion_parameters_fits_an_h100(monkeypatch):
   # the issue asked 1.5x); the plan stays within a quarter of it.
   assert time.total_s <= 1.25 * (time.compute_s + time.recompute_s
                                  + crossing)
+
+
+def _small_state_step(**options):
+  """A linen TrainState step (Adam) whose kernels jlms keeps on host, its
+  state placed there, and its batch."""
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(1)(jnp.tanh(nn.Dense(64)(x)))
+
+  model = Net()
+  x = jnp.linspace(-1, 1, 8 * 64).reshape(8, 64)
+  y = jnp.sin(x[:, :1])
+  state = train_state.TrainState.create(
+      apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"],
+      tx=optax.adam(1e-2))
+
+  def train_step(state, x, y):
+    def loss_fn(params):
+      return jnp.mean((state.apply_fn({"params": params}, x) - y) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  step = jlms.offload(train_step, donate_argnums=0, budget="min",
+                      state_on_host=True, min_bytes=_LEAF, **options)
+  return step, train_step, (_copy(state), x, y)
+
+
+def _kinds(tree) -> set:
+  return {leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree)
+          if isinstance(leaf, jax.Array)}
+
+
+def test_the_first_call_check_compiles_jax_jit_with_the_state_on_device(
+    monkeypatch):
+  # On a GPU `verify` is on by default. It compiled jax.jit's program on
+  # the state in host memory, which XLA refuses for a GPU (E1200: a value
+  # computed from a host argument returned in device memory), and the
+  # step fell back (seen on an H100 with the linen, NNX and GPT steps).
+  from jlms import _verify
+  compiled_on = []
+  real = _verify.xla_memory_of_call
+
+  def recording(fn, args, kwargs, target):
+    compiled_on.append((fn, _kinds((args, kwargs))))
+    return real(fn, args, kwargs, target)
+
+  monkeypatch.setattr(_verify, "xla_memory_of_call", recording)
+  step, _, args = _small_state_step(verify=True)
+  placed = step.place(*args)
+  assert "pinned_host" in _kinds(placed)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", jlms.OffloadIneffectiveWarning)
+    step(*placed)
+  (baseline, baseline_kinds), (offloaded, offloaded_kinds) = compiled_on
+  assert baseline is not step and offloaded is step
+  assert "pinned_host" not in baseline_kinds
+  assert "pinned_host" in offloaded_kinds
+
+
+def test_a_step_that_falls_back_runs_jax_jit_with_its_state_on_device():
+  # jax.jit's program cannot take the state from host on a GPU: after a
+  # failure of jlms's program the state goes back to the device, and stays.
+  step, train_step, args = _small_state_step()
+  placed = step.place(*args)
+  expected = jax.jit(train_step)(*_copy(args))
+
+  def failing(*args, **kwargs):
+    raise RuntimeError("injected failure of jlms's program")
+
+  given = []
+  plain = step._plain_jitted
+
+  def recording(*args, **kwargs):
+    given.append(_kinds((args, kwargs)))
+    return plain(*args, **kwargs)
+
+  step._jitted_state_on_host = failing
+  step._plain_jitted = recording
+  with pytest.warns(jlms.FallbackWarning, match="injected"):
+    state, loss = step(*placed)
+  state, loss = step(state, *args[1:])
+  assert given and all("pinned_host" not in kinds for kinds in given)
+  assert _kinds(state) == {"device"}
+  np.testing.assert_allclose(float(loss), float(
+      jax.jit(train_step)(*expected[:1], *args[1:])[1]), rtol=1e-5)
