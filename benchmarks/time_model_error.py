@@ -3,12 +3,16 @@ calibration of its kernel efficiencies.
 
     python -m benchmarks.time_model_error [--no-yardstick] [--json PATH]
 
-The ground truth is the only one the project has: `jax.jit` and per-layer
-remat (`jax.checkpoint(nothing_saveable)`) steps of four models timed on an
-NVIDIA H100 80GB HBM3 (median of 8 steps, JAX 0.11.2;
-../shared/reference/H100-MEASURED.md, "Step time and memory"). These
-programs are the user's own, so the measurements hold whatever jlms's
-version. For each, the table gives:
+The ground truth: the frontier's `jax.jit` and per-layer remat
+(`jax.checkpoint(nothing_saveable)`) programs timed on an NVIDIA H100 80GB
+HBM3 by `benchmarks.gpu_steps` (median of 8 steps, JAX 0.11.2;
+`benchmarks/results/gpu_steps_h100.json`), nine steps: the BatchNorm
+ResNet at 256x256 (both) and at 1024x1024 (remat; jax.jit does not fit),
+the scanned GPT in float32 and bfloat16, the scanned MLP. Without that
+file, the eight steps of ../shared/reference/H100-MEASURED.md ("Step time
+and memory"), models kept outside the project. These programs are the
+user's own, so the measurements hold whatever jlms's version. For each,
+the table gives:
 
 - the time jlms's model predicts for the program as it is (its kernels
   priced by `jlms._cost.kernel_seconds`, as `Plan.baseline_step_time` is,
@@ -22,8 +26,9 @@ version. For each, the table gives:
 - each one's error against the measurement.
 
 Then it searches a grid of (memory, matmul, convolution) efficiencies for
-the least root-mean-square log error over the eight steps: the
-calibration that `jlms._cost` ships, reproduced. Nothing runs on a GPU.
+the least root-mean-square log error over the measured steps, beside
+which the calibration that `jlms._cost` ships is judged. Nothing runs on
+a GPU.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse
 import dataclasses
 import itertools
+import json
 import math
+import pathlib
 import types
 
 import jax
@@ -49,8 +56,9 @@ from jlms._placement import place_fused_at_readers
 from benchmarks import frontier, frontier_cases
 from benchmarks._output import write_json
 
-# Measured on an H100 80GB HBM3, ms per step (H100-MEASURED.md).
-MEASURED_H100_MS = {
+# Measured on an H100 80GB HBM3, ms per step (H100-MEASURED.md): models
+# kept outside the project, similar to the frontier's.
+REFERENCE_H100_MS = {
     ("resnet", "jax.jit"): 45.6,
     ("resnet", "remat"): 55.5,
     ("gpt_f32", "jax.jit"): 56.3,
@@ -61,12 +69,34 @@ MEASURED_H100_MS = {
     ("scan_mlp", "remat"): 11.0,
 }
 
+# The frontier's own programs timed on an H100 80GB HBM3 by
+# `benchmarks.gpu_steps` (median of 8 steps, JAX 0.11.2): the ground truth
+# where that file is there.
+GPU_STEPS_JSON = (pathlib.Path(__file__).resolve().parent / "results"
+                  / "gpu_steps_h100.json")
+_CONFIGS = {"jax.jit": "jax.jit", "remat nothing_saveable": "remat"}
+
+
+def measured_h100_ms(path: pathlib.Path = GPU_STEPS_JSON) -> dict:
+  """(model, "jax.jit" or "remat") -> ms measured on an H100: the
+  frontier's programs as `benchmarks.gpu_steps` timed them, else the
+  reference table."""
+  if not path.is_file():
+    return dict(REFERENCE_H100_MS)
+  rows = json.loads(path.read_text())["rows"]
+  return {(row["case"], _CONFIGS[row["config"]]): row["measured_ms"]
+          for row in rows if row["config"] in _CONFIGS
+          and row.get("measured_ms") and row["case"] in _FACTORIES}
+
+
 _FACTORIES = {
     "resnet": lambda remat: frontier_cases.resnet(remat=remat),
     "gpt_f32": lambda remat: frontier_cases.gpt(remat=remat),
     "gpt_bf16": lambda remat: frontier_cases.gpt(
         remat=remat, compute_dtype=jnp.bfloat16),
     "scan_mlp": lambda remat: frontier_cases.scan_mlp(remat=remat),
+    "resnet_1024": lambda remat: frontier_cases.resnet(remat=remat,
+                                                       image_size=1024),
 }
 
 # The grid the calibration searches.
@@ -105,7 +135,7 @@ def error_summary(ratios) -> dict:
           "rms_log_error": math.sqrt(sum(x * x for x in logs) / len(logs))}
 
 
-def calibrate(programs: dict) -> dict:
+def calibrate(programs: dict, measured_ms: dict) -> dict:
   """The efficiencies on the grid with the least root-mean-square log error
   against the measurements, and that error."""
   best = None
@@ -115,7 +145,7 @@ def calibrate(programs: dict) -> dict:
                   "conv": float(conv)}
     summary = error_summary([predicted_ms(programs[key], efficiency)
                              / measured for key, measured
-                             in MEASURED_H100_MS.items()])
+                             in measured_ms.items()])
     if best is None or summary["rms_log_error"] < best["rms_log_error"]:
       best = {"efficiency": efficiency, **summary}
   return best
@@ -136,7 +166,8 @@ def main(argv=None) -> dict:
   print(f"{'step':<10} {'config':<8} {'H100 ms':>8} {'jlms':>7} {'err':>7} "
         f"{'roofline':>8} {'err':>7} {'memory':>7} {'contr.':>7} "
         f"{'XLA sched':>9} {'err':>7}")
-  for (model, config), measured in MEASURED_H100_MS.items():
+  measured_ms = measured_h100_ms()
+  for (model, config), measured in measured_ms.items():
     case = case_of(model, config)
     placed = programs[model, config] = placed_program(case)
     row = {"model": model, "config": config, "step": case.name,
@@ -175,7 +206,7 @@ def main(argv=None) -> dict:
   result = {"target": "h100", "efficiency": shipped, "rows": rows,
             "summary": summary}
   if not options.no_grid:
-    best = calibrate(programs)
+    best = calibrate(programs, measured_ms)
     result["calibration"] = best
     print(f"calibration: least rms log error {best['rms_log_error']:.3f} "
           f"(largest error {best['max_abs_error']:.0%}) at "

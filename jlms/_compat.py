@@ -48,6 +48,11 @@ class UnsupportedJaxError(NotImplementedError):
   know yet."""
 
 
+def reduced_axes(eqn) -> tuple[int, ...]:
+  """The axes a reduction equation reduces."""
+  return tuple(int(a) for a in _param(eqn, "axes"))
+
+
 def _unsupported(what: str) -> UnsupportedJaxError:
   return UnsupportedJaxError(
       f"jlms does not know how to read {what} in JAX {jax.__version__} "

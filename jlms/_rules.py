@@ -54,6 +54,14 @@ class PrimitiveRule:
   #: `dynamic_slice` of a stack, its `dynamic_update_slice` into a carried
   #: buffer): its kernel moves the slice's bytes, not the operand's.
   moves_one_slice: bool = False
+  #: A reduction that XLA's GPU backend can compute inside the kernel that
+  #: reads its result, when it reduces each row (the last axis) and only
+  #: elementwise work reads it: a softmax or a LayerNorm, whose row
+  #: statistics and the normalisation that reads them XLA fuses into one
+  #: Triton kernel on a Hopper GPU (seen in the H100's own programs of the
+  #: scanned GPT: the attention softmax, the loss's softmax over the
+  #: vocabulary).
+  fuses_as_row: bool = False
 
 
 OPAQUE = PrimitiveRule()
@@ -85,6 +93,7 @@ _COSTLY = (
     "sinh", "lgamma", "digamma", "log2")
 _REDUCTIONS = ("argmax", "argmin", "reduce_and", "reduce_max", "reduce_min",
                "reduce_or", "reduce_prod", "reduce_sum", "reduce_xor")
+_ROW_REDUCTIONS = ("reduce_max", "reduce_min", "reduce_sum")
 _ACCUMULATIONS = ("add_jaxvals",)  # `add_any`
 _TRANSPARENT_CALLS = ("custom_jvp_call", "custom_vjp_call", "remat",
                       "closed_call", "call", "jit", "pjit")
@@ -103,6 +112,7 @@ def _table() -> types.MappingProxyType:
       relayout_only=True)
   add(_COSTLY, computed_once=True)
   add(_REDUCTIONS, takes_fused_operands=True)
+  add(_ROW_REDUCTIONS, fuses_as_row=True)
   # A cotangent sum is an add to XLA: it computes its elementwise operands
   # inline (in the scanned bf16 GPT's backward loop, the softmax gradient's
   # division and cast: 2 x 128 MiB that XLA never allocates; the
@@ -122,6 +132,15 @@ RULES = _table()
 def rule(primitive) -> PrimitiveRule:
   """The rule of `primitive`; `OPAQUE` for one the table does not name."""
   return RULES.get(primitive, OPAQUE)
+
+
+def reduces_rows(eqn) -> bool:
+  """Whether `eqn` is a reduction XLA can fuse as a row into its reader:
+  one of `fuses_as_row` over its operand's last axis alone."""
+  if not rule(eqn.primitive).fuses_as_row:
+    return False
+  rank = len(eqn.invars[0].aval.shape)
+  return rank > 0 and tuple(_compat.reduced_axes(eqn)) == (rank - 1,)
 
 
 def is_fusible_equation(eqn) -> bool:

@@ -127,6 +127,9 @@ def analyse_fusion(program: Program, liveness: Liveness,
   # its kernel; other operands both read from buffers.
   has_body = np.zeros(n, dtype=bool)
   takes_expansions = np.zeros(n, dtype=bool)
+  # Row reductions (a softmax's, a LayerNorm's) computed inside the kernel
+  # that reads them, when only elementwise work does.
+  row = np.zeros(n, dtype=bool)
   for index, equation in enumerate(equations):
     primitive = equation.primitive
     aliasing[index] = primitive is _compat.barrier_p
@@ -136,6 +139,7 @@ def analyse_fusion(program: Program, liveness: Liveness,
     takes_fused[index] = fusible[index] or rule.takes_fused_operands
     takes_expansions[index] = has_body[index] or rule.takes_fused_expansions
     expensive[index] = rule.computed_once
+    row[index] = _rules.reduces_rows(equation.eqn)
 
   materialized = np.ones(n_values, dtype=bool)
   for value in range(n_values):
@@ -143,7 +147,7 @@ def analyse_fusion(program: Program, liveness: Liveness,
     if made_by >= 0 and aliasing[made_by] and value not in forced:
       materialized[value] = False  # the input's buffer, under another name
       continue
-    if made_by < 0 or not fusible[made_by] or value in forced:
+    if made_by < 0 or not (fusible[made_by] or row[made_by]) or value in forced:
       continue
     reads = uses[value]
     if not reads:
@@ -151,10 +155,19 @@ def analyse_fusion(program: Program, liveness: Liveness,
       continue
     if reads[-1] >= n:
       continue  # a step output
+    if row[made_by]:
+      if all(fusible[r] for r in reads):
+        materialized[value] = False
+      continue
     if not all(takes_fused[r] or (takes_expansions[r] and is_expansion(
         program, liveness, value)) for r in reads):
       continue
-    if len(reads) > 1 and expensive[made_by]:
+    # A costly value read by several equations is computed once: into a
+    # buffer, unless every reader runs in one kernel (a softmax's `exp`,
+    # read by its row sum and by the division by it), which
+    # `_place_kernels` decides.
+    if len(reads) > 1 and expensive[made_by] and not all(
+        fusible[r] or row[r] for r in reads):
       continue
     materialized[value] = False
 
@@ -166,7 +179,7 @@ def analyse_fusion(program: Program, liveness: Liveness,
   buffers = materialized
   for _ in range(2):
     decided = _place_kernels(program, liveness, materialized.copy(), buffers,
-                             aliasing)
+                             aliasing, expensive)
     if (decided[0] == buffers).all():
       break
     buffers = decided[0]
@@ -175,7 +188,7 @@ def analyse_fusion(program: Program, liveness: Liveness,
 
 def _place_kernels(program: Program, liveness: Liveness,
                    materialized: np.ndarray, buffers: np.ndarray,
-                   aliasing: np.ndarray):
+                   aliasing: np.ndarray, computed_once: np.ndarray):
   """Where each equation's work runs and each value is last read, given the
   values fusion leaves as buffers (`materialized`, completed here with the
   fusible values cheaper as buffers, judged with the operands `buffers`
@@ -236,8 +249,8 @@ def _place_kernels(program: Program, liveness: Liveness,
         continue
       readers = frozenset().union(*(kernels[r] for r in uses[out]))
       operand_bytes = sum(liveness.nbytes[b] for b in buffers_behind(out))
-      if len(readers) > 1 and _cheaper_as_buffer(
-          len(readers), operand_bytes, liveness.nbytes[out]):
+      if len(readers) > 1 and (computed_once[index] or _cheaper_as_buffer(
+          len(readers), operand_bytes, liveness.nbytes[out])):
         materialized[out] = True
         if len(outputs) == 1 and liveness.nbytes[out] >= L2_CACHE_BYTES:
           first_reads[out] = min(int(executes_at[r]) for r in uses[out])

@@ -6,7 +6,7 @@ import pytest
 
 import jlms
 from benchmarks import models
-from jlms import _compat
+from jlms import _compat, _cost
 from jlms._liveness import analyse
 from jlms._planner import Offload, SwapIn
 from jlms._program import flatten
@@ -38,6 +38,34 @@ def test_elementwise_chains_are_fused_into_their_reader():
   assert fusion.materialized[dot]
   # The multiply's work happens inside the tanh kernel, where the add is.
   assert fusion.executes_at[liveness.producer[mul]] == liveness.producer[tanh]
+
+
+def test_a_softmax_over_rows_is_one_kernel():
+  # XLA's GPU backend computes a row softmax (max, exp, sum, divide over
+  # the last axis) in one Triton kernel on an H100: the scores are read
+  # once and neither `exp` nor the row statistics become buffers. Priced
+  # as four kernels, the scanned float32 GPT under remat came out 39% over
+  # its measured H100 time (now 25%).
+  scores = jnp.ones((8, 256, 256))
+  program, liveness = _program(lambda s: jax.nn.softmax(s, axis=-1), scores)
+  fusion = analyse_fusion(program, liveness)
+  exp, = _made_by(program, liveness, "exp")
+  row_max, = _made_by(program, liveness, "reduce_max")
+  row_sum, = _made_by(program, liveness, "reduce_sum")
+  for value in (exp, row_max, row_sum):
+    assert not fusion.materialized[value]
+  division = liveness.producer[program.outvars[0]]
+  assert fusion.executes_at[liveness.producer[row_sum]] == division
+  seconds = _cost.kernel_seconds(program, _cost.TARGETS["h100"], fusion,
+                                 liveness)
+  one_pass = 2 * scores.nbytes / (_cost.TARGETS["h100"].hbm_bytes_per_s
+                                  * _cost.TARGETS["h100"].efficiency["memory"])
+  assert seconds.sum() == pytest.approx(one_pass, rel=0.01)
+  # Over another axis it is no row: XLA reduces it in a kernel of its own.
+  program, liveness = _program(lambda s: jax.nn.softmax(s, axis=1), scores)
+  fusion = analyse_fusion(program, liveness)
+  row_sum, = _made_by(program, liveness, "reduce_sum")
+  assert fusion.materialized[row_sum]
 
 
 def test_relu_is_fusible_inlined_or_through_its_custom_jvp_call():

@@ -105,19 +105,20 @@ def test_targets_and_their_links():
     time_target("v100")
 
 
-@pytest.mark.slow  # traces eight full-size steps: about 30 s
+@pytest.mark.slow  # traces nine full-size steps: about 40 s
 def test_the_time_model_is_calibrated_to_the_steps_measured_on_an_h100():
   from benchmarks import time_model_error
   errors = {}
-  for key, measured in time_model_error.MEASURED_H100_MS.items():
+  for key, measured in time_model_error.measured_h100_ms().items():
     placed = time_model_error.placed_program(time_model_error.case_of(*key))
     predicted = time_model_error.predicted_ms(placed, dict(H100.efficiency))
     errors[key] = predicted / measured - 1
   logs = [np.log1p(e) for e in errors.values()]
-  # At the roofline every step was predicted 8-44% short of its measured
-  # time (rms log error 0.41); calibrated, the worst is the scanned float32
-  # GPT under remat, 34% over (rms 0.127): on that model the H100 runs
-  # remat faster than jax.jit (43.4 against 56.3 ms) and the model has it
-  # slower. Before a scan's stacking copies were priced: 37%, rms 0.149.
-  assert max(abs(e) for e in errors.values()) <= 0.40, errors
-  assert np.sqrt(np.mean(np.square(logs))) <= 0.2, errors
+  # The frontier's jax.jit and remat programs timed on an H100
+  # (benchmarks/results/gpu_steps_h100.json). At the roofline every step
+  # is predicted 14-43% short (rms log error 0.41); calibrated, the worst
+  # is the scanned float32 GPT under remat, 25% over (rms 0.104). Before
+  # row softmaxes were priced as one kernel, that GPT was 39% over (rms
+  # 0.139).
+  assert max(abs(e) for e in errors.values()) <= 0.30, errors
+  assert np.sqrt(np.mean(np.square(logs))) <= 0.15, errors
