@@ -88,11 +88,16 @@ def test_a_failed_rewrite_raises_with_strict(monkeypatch):
 
 def test_a_failed_rewrite_raises_where_the_budget_needs_the_plan(monkeypatch):
   args = _args()
-  least = jlms.offload(_step, budget="min").plan(*args)
+  # The simulator's peaks (no compile; the same on every platform). On a
+  # GPU, XLA confirms the plan for budget="min", and for a step this small
+  # finds jlms's least-memory plan no lower than jax.jit's program (217.87
+  # against 216.06 KiB on an H100): that plan is jax.jit's program.
+  predicted = jlms.offload(_step).tradeoff(*args, budgets=())
   # Below jax.jit's peak and above the least jlms reaches: the plan alone
-  # keeps this budget.
-  budget = (least.predicted_peak_bytes + least.baseline_peak_bytes) // 2
-  assert budget < least.baseline_peak_bytes
+  # keeps this budget. (Where XLA confirms the budget, jlms rewrites the
+  # step as it is to ask XLA about it first: that rewrite fails.)
+  budget = (predicted.least_bytes + predicted.jit_peak_bytes) // 2
+  assert predicted.least_bytes < budget < predicted.jit_peak_bytes
   monkeypatch.setattr(_offload, "rewrite", _rewrite_raising)
   with pytest.raises(jlms.OffloadError, match="budget") as info:
     jlms.offload(_step, budget=budget)(*args)
@@ -153,7 +158,11 @@ def test_a_donated_argument_reused_gets_jax_jits_own_error():
   expected = reuse(jax.jit(_step, donate_argnums=0))
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # no FallbackWarning: not jlms's failure
-    actual = reuse(jlms.offload(_step, donate_argnums=0, **EAGER))
+    # Not checked with XLA (on a GPU, by default): on values this small the
+    # check warns that the peak did not go down, and the filter above
+    # would turn that warning into a fallback.
+    actual = reuse(jlms.offload(_step, donate_argnums=0, verify=False,
+                                **EAGER))
   # JAX's error for a deleted buffer; which one depends on the path JAX
   # takes (on JAX 0.10 a call whose arguments' commitment differs from the
   # compiled one's checks them before XLA does).

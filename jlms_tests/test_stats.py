@@ -40,8 +40,10 @@ class FakeDevice:
 
 
 def test_cpu_reports_nothing_and_invents_nothing():
-  stats = memory_stats()
-  device = jax.local_devices()[0]
+  # The CPU device by name: with JAX_PLATFORMS=cuda,cpu the default device
+  # is the GPU, and the CPU backend is there too.
+  device = jax.devices("cpu")[0]
+  stats = memory_stats(device)
   assert device.platform == "cpu"
   assert stats.device == str(device)
   assert stats.platform == "cpu"
