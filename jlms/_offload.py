@@ -983,15 +983,14 @@ class OffloadedStep:
             break
         raise _refused(budget, target, plain_peak, least_peak, smallest,
                        compiles)
-      # The simulator was optimistic: ask it for proportionally less.
+      # The simulator was optimistic: ask it for proportionally less, of
+      # every way the loops can run (the way first chosen may have no
+      # smaller plan where another does, faster than the least-memory one).
       searched = int(searched * budget / measured * 0.97)
       log.info("jlms: searching again for a predicted peak of %s",
                format_bytes(searched))
       try:
-        result = fit(placed.program, placed.liveness, searched, times,
-                     self._min_bytes(searched), placed.fusion, residuals,
-                     self._host_budget_bytes(),
-                     state_copies=placed.state_copies)
+        placed, residuals, result = self._fastest_fit(plain, searched, times)
       except BudgetError:
         simulator_refused = True  # no smaller plan of this kind: say so
         continue
