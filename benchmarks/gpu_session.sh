@@ -9,9 +9,11 @@
 #      export`), since that is what only a GPU can give;
 #   2. the `gpu` tests (jlms_tests/test_gpu.py) in one process;
 #   3. the rest of the quick tier with the GPU as JAX's default backend,
-#      on several processes that share the GPU (memory on demand).
+#      on several processes that share the GPU (memory on demand);
+#   4. with SLOW_S set (seconds), the slow tier likewise.
 #
-# Each part has its own time limit (seconds: STEPS_S, GPU_TESTS_S, QUICK_S)
+# Each part has its own time limit (seconds: STEPS_S, GPU_TESTS_S, QUICK_S,
+# SLOW_S)
 # and its log in $OUT, so that a part that runs long leaves the others' work.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -42,6 +44,16 @@ timeout "${QUICK_S:-180}" env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCA
 echo "quick tier exit $?"
 tail -60 "$OUT/quick_tests.log"
 
-"$python" -m benchmarks.junit_json gpu="$OUT/gpu_tests.xml" \
-  quick_not_gpu="$OUT/quick_tests.xml" --json "$OUT/gpu_tests.json" \
+tiers=(gpu="$OUT/gpu_tests.xml" quick_not_gpu="$OUT/quick_tests.xml")
+if [ "${SLOW_S:-0}" -gt 0 ]; then
+  echo "=== 4. the slow tier, GPU as the default backend"
+  timeout "$SLOW_S" env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    "$python" -m pytest -m "slow and not gpu" -n "${WORKERS:-8}" -p no:cacheprovider \
+    -rfE --tb=short --junitxml="$OUT/slow_tests.xml" > "$OUT/slow_tests.log" 2>&1
+  echo "slow tier exit $?"
+  tail -30 "$OUT/slow_tests.log"
+  tiers+=(slow_not_gpu="$OUT/slow_tests.xml")
+fi
+
+"$python" -m benchmarks.junit_json "${tiers[@]}" --json "$OUT/gpu_tests.json" \
   --note "$(head -c 300 "$OUT/versions.log" | tr '\n' ' ')"
