@@ -37,21 +37,24 @@ timeout "${GPU_TESTS_S:-150}" env JAX_PLATFORMS=cuda,cpu \
   "$python" -m pytest -m gpu -n 0 -p no:cacheprovider -rA --tb=short \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 
-echo "=== 3. the quick tier, GPU as the default backend"
-timeout "${QUICK_S:-180}" env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  "$python" -m pytest -m "not slow and not gpu" -n "${WORKERS:-8}" -p no:cacheprovider \
-  -rfE --tb=short --junitxml="$OUT/quick_tests.xml" > "$OUT/quick_tests.log" 2>&1
-echo "quick tier exit $?"
-tail -60 "$OUT/quick_tests.log"
+# A tier of the suite with the GPU as JAX's default backend, on several
+# processes sharing it (memory on demand): its name, marker expression and
+# time limit.
+on_gpu() {
+  local name=$1 marks=$2 limit=$3
+  timeout "$limit" env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    "$python" -m pytest -m "$marks" -n "${WORKERS:-8}" -p no:cacheprovider \
+    -rfE --tb=short --junitxml="$OUT/${name}_tests.xml" > "$OUT/${name}_tests.log" 2>&1
+  echo "$name tier exit $?"
+  tail -60 "$OUT/${name}_tests.log"
+}
 
+echo "=== 3. the quick tier, GPU as the default backend"
+on_gpu quick "not slow and not gpu" "${QUICK_S:-180}"
 tiers=(gpu="$OUT/gpu_tests.xml" quick_not_gpu="$OUT/quick_tests.xml")
 if [ "${SLOW_S:-0}" -gt 0 ]; then
   echo "=== 4. the slow tier, GPU as the default backend"
-  timeout "$SLOW_S" env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    "$python" -m pytest -m "slow and not gpu" -n "${WORKERS:-8}" -p no:cacheprovider \
-    -rfE --tb=short --junitxml="$OUT/slow_tests.xml" > "$OUT/slow_tests.log" 2>&1
-  echo "slow tier exit $?"
-  tail -30 "$OUT/slow_tests.log"
+  on_gpu slow "slow and not gpu" "$SLOW_S"
   tiers+=(slow_not_gpu="$OUT/slow_tests.xml")
 fi
 
