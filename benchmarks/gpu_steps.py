@@ -202,13 +202,14 @@ def run(directory: pathlib.Path, out: pathlib.Path, steps: int,
         mine = [e for e in entries if e.case == name]
         started = time.perf_counter()
 
-        def compile_one(entry):
+        def compile_one(entry, args):
             exported = jax.export.deserialize(
                 bytearray((directory / entry.file).read_bytes()))
             return jax.jit(exported.call).lower(*args).compile()
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
-            futures = {e.config: pool.submit(compile_one, e) for e in mine}
+            futures = {e.config: pool.submit(compile_one, e, args)
+                       for e in mine}
         compile_s = time.perf_counter() - started
         for entry in reversed(mine):  # the smallest peak first
             row = dataclasses.asdict(entry)

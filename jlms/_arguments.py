@@ -157,7 +157,7 @@ def _is_abstractable(leaf) -> bool:
   return True
 
 
-def on_device(tree, abstract: bool = True):
+def with_state_on_device(tree, abstract: bool = True):
   """`tree` as jax.jit's program takes it: its arrays in pinned host memory
   (state that a plan keeps on host) in device memory instead, as abstract
   arrays (`abstract`, for a compile) or copied there. A step compiled by

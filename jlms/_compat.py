@@ -48,11 +48,6 @@ class UnsupportedJaxError(NotImplementedError):
   know yet."""
 
 
-def reduced_axes(eqn) -> tuple[int, ...]:
-  """The axes a reduction equation reduces."""
-  return tuple(int(a) for a in _param(eqn, "axes"))
-
-
 def _unsupported(what: str) -> UnsupportedJaxError:
   return UnsupportedJaxError(
       f"jlms does not know how to read {what} in JAX {jax.__version__} "
@@ -93,6 +88,11 @@ def primitives_named(*names: str) -> tuple:
   JAX has; a name it lacks is skipped rather than matched by string."""
   found = (getattr(_prims, f"{name}_p", None) for name in names)
   return tuple(p for p in found if p is not None)
+
+
+def reduced_axes(eqn) -> tuple[int, ...]:
+  """The axes a reduction equation reduces."""
+  return tuple(int(a) for a in _param(eqn, "axes"))
 
 
 #: The loop primitives (a scan, a while loop).

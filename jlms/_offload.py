@@ -32,11 +32,12 @@ import numpy as np
 from jlms import _compat
 from jlms._arguments import (SplitArguments, committed_where_they_are,
                              complete_argnums, host_positions,
-                             on_device, split_arguments, traceable)
+                             split_arguments, traceable,
+                             with_state_on_device)
 from jlms._config import OffloadConfig, SyncMode
 from jlms._fallback import (OffloadError, describe,
                             raise_unless_fallback_allowed, warn_fallback)
-from jlms._liveness import analyse, aval_nbytes, largest_equation
+from jlms._liveness import analyse, aval_nbytes
 from jlms._loop_remat import (cheapest, loop_rematerializations,
                               rematerialize_in_loops)
 from jlms._loop_sink import loop_sinks, sink_into_loops
@@ -265,11 +266,17 @@ class OffloadedStep:
   def _program_for(self, args, kwargs):
     """The jitted program for these arguments: jlms's, or jax.jit's where
     jlms's failed to compile."""
-    if self._fallen_back and self._signature(args, kwargs) in self._fallen_back:
+    if self._has_fallen_back(args, kwargs):
       return self._plain_jitted
     if self._keeps_state_on_host(args, kwargs):
       return self._jitted_state_on_host
     return self._jitted
+
+  def _has_fallen_back(self, args, kwargs) -> bool:
+    """Whether jlms's program failed for these arguments' signature, which
+    then runs as jax.jit's."""
+    return bool(self._fallen_back) and (
+        self._signature(args, kwargs) in self._fallen_back)
 
   def _may_keep_state_on_host(self) -> bool:
     """Whether any plan of this step may keep state on host: one made
@@ -308,7 +315,7 @@ class OffloadedStep:
     device: state that a plan kept on host is copied back first (jax.jit's
     program cannot take it from host; the state then stays on the device,
     as under jax.jit)."""
-    args, kwargs = on_device((args, kwargs), abstract=False)
+    args, kwargs = with_state_on_device((args, kwargs), abstract=False)
     return self._plain_jitted(*args, **kwargs)
 
   def _failed_in_jlms(self, error: Exception, args, kwargs):
@@ -344,7 +351,7 @@ class OffloadedStep:
     analysis = self._analysis(args, kwargs)[0]
     if analysis.failure is not None or not analysis.state:
       return args, kwargs
-    if self._fallen_back and self._signature(args, kwargs) in self._fallen_back:
+    if self._has_fallen_back(args, kwargs):
       return args, kwargs  # jax.jit's program runs, with the state on device
     arrived = [leaves[i] for i in analysis.state.inputs
                if isinstance(leaves[i], jax.Array)

@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-import jax
-
-from jlms._arguments import on_device
+from jlms._arguments import with_state_on_device
 from jlms._plan import Plan
 from jlms._units import format_bytes
 from jlms._xla_memory import XlaMemory, xla_memory_of_call
@@ -88,7 +86,7 @@ def compare_memory_of_call(step, args: tuple, kwargs: dict,
   baseline_fn = step._as_traced_jitted
   # Without jlms the state is on the device: jax.jit's program cannot take
   # it from host.
-  base_args, base_kwargs = on_device((args, kwargs))
+  base_args, base_kwargs = with_state_on_device((args, kwargs))
   comparison = MemoryComparison(
       target=target,
       plan=step.plan(*args, **kwargs),

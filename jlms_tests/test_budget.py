@@ -153,10 +153,8 @@ def scan_mlp():
   """A scanned MLP whose residuals dominate its peak, and jax.jit's
   predicted peak. Its plans name the H100 as their target, so that XLA for
   the same GPU confirms them on every platform (on a GPU, with no target,
-  XLA for the local GPU would; on a CPU, nothing would). At 8 layers of
-  256 x 512, XLA's peak of the loop that remakes its residuals (14.27 MiB)
-  was above every budget the simulator remakes them for: a confirmed plan
-  streamed them through host. At 16 layers of 128 x 2048, XLA's peak is
+  XLA for the local GPU would; on a CPU, nothing would). At 16 layers of
+  128 x 2048 the residuals make the peak: XLA's peak is
   41.09 MiB as it is and 25.08 MiB remade (JAX 0.12.0.1; 56.02 and 25.08
   on JAX 0.10.2)."""
   from benchmarks import frontier_cases
