@@ -588,7 +588,7 @@ class OffloadedStep:
     """The analysis of the step traced as `closed`: its plan and the
     program that runs."""
     jit_params, debug_info = _compat.call_template(closed)
-    program = flatten(closed)
+    program = dataclasses.replace(flatten(closed), donated=tuple(donated))
     plain = dataclasses.replace(
         _Analysed.of(program),
         traced=_compat.call_body_closed(closed.jaxpr.eqns[0]),

@@ -87,9 +87,33 @@ class Program:
   outvars: tuple[Atom, ...]
   equations: tuple[Equation, ...]
   avals: tuple[Any, ...]  # id -> abstract value
+  # Positions among `invars` that the step donates (jax.jit's
+  # donate_argnums, per leaf): XLA gives their buffers to outputs.
+  donated: tuple[int, ...] = ()
 
   def __len__(self) -> int:
     return len(self.equations)
+
+
+def donation_pairs(program: Program) -> tuple[tuple[int, int], ...]:
+  """(input position, output position) of each donated input and the
+  output whose buffer it becomes: each donated input, in order, with the
+  first output not yet taken of the same shape and dtype, as JAX pairs a
+  donated buffer with an output."""
+  taken: set[int] = set()
+  pairs = []
+  for position in program.donated:
+    aval = program.avals[program.invars[position]]
+    for out_position, atom in enumerate(program.outvars):
+      if out_position in taken or not isinstance(atom, int):
+        continue
+      out = program.avals[atom]
+      if (out.shape == aval.shape and out.dtype == aval.dtype
+          and _compat.has_plain_layout(aval)):
+        taken.add(out_position)
+        pairs.append((position, out_position))
+        break
+  return tuple(pairs)
 
 
 def flatten(closed_jaxpr, inline_calls: bool = True) -> Program:

@@ -36,7 +36,7 @@ import numpy as np
 from jlms import _compat, _rules
 from jlms._liveness import Liveness, analyse, aval_nbytes, is_expansion
 from jlms._planner import Offload
-from jlms._program import Program, flatten
+from jlms._program import Program, donation_pairs, flatten
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,10 +330,14 @@ class MemoryTimeline:
 
 def fixed_bytes(program: Program, liveness: Liveness) -> int:
   """Bytes of the step's arguments and outputs (each counted once per
-  buffer: an output that is an argument still gets its own buffer)."""
+  buffer: an output that is an argument still gets its own buffer, unless
+  it is the output a donated argument's buffer becomes)."""
   total = sum(liveness.nbytes[v] for v in program.invars)
+  aliased = aliased_outputs(program, liveness)
   seen = set()
-  for atom in program.outvars:
+  for position, atom in enumerate(program.outvars):
+    if position in aliased:
+      continue
     if isinstance(atom, int):
       if atom in seen:
         continue
@@ -342,6 +346,17 @@ def fixed_bytes(program: Program, liveness: Liveness) -> int:
     else:
       total += aval_nbytes(_compat.abstractify(atom.value))  # a constant
   return total
+
+
+def aliased_outputs(program: Program, liveness: Liveness) -> frozenset[int]:
+  """Positions of the outputs that XLA writes into a donated argument's
+  device buffer (`jlms._program.donation_pairs`, both on the device): they
+  cost no buffer of their own."""
+  return frozenset(
+      out for position, out in donation_pairs(program)
+      if isinstance(program.outvars[out], int)
+      and liveness.nbytes[program.invars[position]]
+      and liveness.nbytes[program.outvars[out]])
 
 
 def output_donors(program: Program, liveness: Liveness,
@@ -359,12 +374,15 @@ def output_donors(program: Program, liveness: Liveness,
   producer = liveness.producer
   nbytes = liveness.nbytes
   outputs = {a for a in program.outvars if isinstance(a, int)}
+  # An output in a donated argument's buffer takes no other.
+  aliased = {program.outvars[p] for p in aliased_outputs(program, liveness)}
   invars = set(program.invars)
   donors: dict[int, int] = {}
   taken: set[int] = set()
   for value in sorted(outputs):
     made_by = producer[value]
-    if made_by < 0 or not materialized[value] or value in invars:
+    if (made_by < 0 or not materialized[value] or value in invars
+        or value in aliased):
       continue
     kernel = int(fusion.executes_at[made_by])
     pending = [a for a in program.equations[made_by].inputs

@@ -43,7 +43,7 @@ from jlms._liveness import Liveness, aval_nbytes, analyse
 from jlms._loops import (ScanResidual, host_aval, offload_scan_residuals,
                          prefetching_reader, reads_only_as_scanned)
 from jlms._names import profile_scope
-from jlms._program import Const, Equation, Program
+from jlms._program import Const, Equation, Program, donation_pairs
 
 # The leading axis a leaf's update loop runs over: at least 2 iterations
 # (XLA refuses a one-slice host stack, see `jlms._loops`), one slice each
@@ -93,23 +93,9 @@ class StateCopy:
 def state_pairs(program: Program, donated: Sequence[int]
                 ) -> tuple[tuple[int, int], ...]:
   """(input position, output position) of each donated input that the
-  step returns updated: each donated input, in order, with the first
-  output not yet taken of the same shape and dtype, as XLA aliases a
-  donated buffer to an output."""
-  taken: set[int] = set()
-  pairs = []
-  for position in donated:
-    aval = program.avals[program.invars[position]]
-    for out_position, atom in enumerate(program.outvars):
-      if out_position in taken or not isinstance(atom, int):
-        continue
-      out = program.avals[atom]
-      if (out.shape == aval.shape and out.dtype == aval.dtype
-          and _compat.has_plain_layout(aval)):
-        taken.add(out_position)
-        pairs.append((position, out_position))
-        break
-  return tuple(pairs)
+  step returns updated (`jlms._program.donation_pairs` of the program with
+  `donated` donated)."""
+  return donation_pairs(dataclasses.replace(program, donated=tuple(donated)))
 
 
 def update_only(program: Program, liveness: Liveness, position: int) -> bool:
@@ -525,8 +511,9 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
   for run in runs:
     for index in run:
       index_of[index] = index_of[run[-1]]
-  rewritten = Program(program.invars, tuple(outvars), tuple(equations),
-                      tuple(avals))
+  rewritten = dataclasses.replace(program, outvars=tuple(outvars),
+                                  equations=tuple(equations),
+                                  avals=tuple(avals))
   return rewritten, tuple(copies), index_of
 
 
