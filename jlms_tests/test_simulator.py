@@ -320,12 +320,10 @@ def test_a_donating_steps_predicted_peak_is_xlas_within_5_percent():
   # in-place updates outside loops, which the simulator does not model,
   # dominate the error: 30% at batch 256).
   case = models.mlp_case(depth=4, width=1024, batch=4096)
-  step = jlms.offload(case.step, donate_argnums=(0, 1), target="h100")
   args = case.abstract_args()
-  plan = step.plan(*args)
+  # No target: the plan is the simulator's alone (one H100 compile here).
+  plan = jlms.offload(case.step, donate_argnums=(0, 1)).plan(*args)
   xla = jax.jit(case.step, donate_argnums=(0, 1))
   measured = jlms.xla_memory(xla, *args, target="h100").peak_bytes
-  undonated = jlms.offload(case.step, target="h100").plan(*args)
-  assert plan.baseline_peak_bytes < undonated.baseline_peak_bytes
   assert abs(plan.baseline_peak_bytes / measured - 1) <= 0.05, (
       plan.baseline_peak_bytes, measured)
