@@ -98,11 +98,13 @@ class Program:
 def donation_pairs(program: Program) -> tuple[tuple[int, int], ...]:
   """(input position, output position) of each donated input and the
   output whose buffer it becomes: each donated input, in order, with the
-  first output not yet taken of the same shape and dtype, as JAX pairs a
-  donated buffer with an output."""
+  first output not yet taken of the same shape and dtype (JAX goes output
+  by output, taking the first donated input of its kind: the same pairs).
+  JAX compares one device's shard of each where shardings are given; the
+  simulator checks the sizes it counts (`_simulator.aliased_outputs`)."""
   taken: set[int] = set()
   pairs = []
-  for position in program.donated:
+  for position in sorted(program.donated):
     aval = program.avals[program.invars[position]]
     for out_position, atom in enumerate(program.outvars):
       if out_position in taken or not isinstance(atom, int):

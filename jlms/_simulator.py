@@ -350,13 +350,25 @@ def fixed_bytes(program: Program, liveness: Liveness) -> int:
 
 def aliased_outputs(program: Program, liveness: Liveness) -> frozenset[int]:
   """Positions of the outputs that XLA writes into a donated argument's
-  device buffer (`jlms._program.donation_pairs`, both on the device): they
-  cost no buffer of their own."""
-  return frozenset(
-      out for position, out in donation_pairs(program)
-      if isinstance(program.outvars[out], int)
-      and liveness.nbytes[program.invars[position]]
-      and liveness.nbytes[program.outvars[out]])
+  device buffer (`jlms._program.donation_pairs`, both on the device, of one
+  size per device): they cost no buffer of their own. An output made
+  before its donated argument's last read is not among them: XLA keeps it
+  in a buffer of its own until it can take the argument's."""
+  aliased = []
+  for position, out in donation_pairs(program):
+    value, argument = program.outvars[out], program.invars[position]
+    if not isinstance(value, int):
+      continue
+    size = liveness.nbytes[argument]
+    if not size or liveness.nbytes[value] != size:
+      continue
+    made_by = liveness.producer[value]
+    reads = liveness.uses[argument]
+    # (A "read" at the step's end is the argument returned as it is.)
+    last_read = max((r for r in reads if r < len(program)), default=-1)
+    if made_by < 0 or last_read <= made_by:
+      aliased.append(out)
+  return frozenset(aliased)
 
 
 def output_donors(program: Program, liveness: Liveness,

@@ -11,7 +11,7 @@ from benchmarks import models
 from jlms import _compat, _cost
 from jlms._liveness import analyse
 from jlms._planner import Offload, SwapIn
-from jlms._program import flatten
+from jlms._program import donation_pairs, flatten
 from jlms._simulator import L2_CACHE_BYTES, analyse_fusion, simulate
 
 MIB = 1 << 20
@@ -306,9 +306,25 @@ def test_a_donated_argument_and_its_update_are_one_buffer():
   assert kept.fixed_bytes == 16 * MIB  # two arguments, two outputs
   assert donated.fixed_bytes == 12 * MIB  # the update is in w's buffer
   assert kept.peak_bytes - donated.peak_bytes == 4 * MIB
-  # b is not donated: its output stays a buffer of its own.
-  assert simulate(dataclasses.replace(program, donated=(1,)),
-                  liveness).fixed_bytes == 12 * MIB
+  # b donated instead: its buffer takes w's update (the first output of its
+  # shape, made after b's last read), and b's own output keeps a buffer.
+  b_donated = dataclasses.replace(program, donated=(1,))
+  assert donation_pairs(b_donated) == ((1, 0),)
+  assert simulate(b_donated, liveness).fixed_bytes == 12 * MIB
+
+
+def test_an_update_made_before_its_donated_arguments_last_read_has_a_buffer():
+  # w's update is made first and w is read again after it: XLA cannot
+  # write the update into w's buffer then, and keeps it in one of its own.
+  x = jnp.ones((1024, 1024))  # 4 MiB
+  def step(w, b):
+    new_w = w - 0.1 * jnp.sin(b @ b)
+    return new_w, jnp.sum(w @ new_w)
+  program, liveness = _program(step, x, x)
+  donated = dataclasses.replace(program, donated=(0,))
+  assert donation_pairs(donated) == ((0, 0),)
+  assert simulate(donated, liveness).fixed_bytes == simulate(
+      program, liveness).fixed_bytes
 
 
 def test_a_donating_steps_predicted_peak_is_xlas_within_5_percent():
