@@ -212,6 +212,7 @@ def test_room_xla_leaves_under_the_budget_is_fitted_once_more():
   assert _relaxed_search(100, 110, 120) == 100 + int(0.9 * 100 * (120 / 110 - 1))
 
 
+@pytest.mark.slow  # two budgets fitted and run: 5 s on JAX 0.12
 @_SCAN_MLP
 def test_a_tighter_budget_costs_more_time_and_still_equals_jit(scan_mlp):
   # The loose budget's plan remakes the scan's residuals; the least memory
