@@ -42,6 +42,7 @@ import numpy as np
 
 from jlms import _compat, _rules
 from jlms._liveness import analyse
+from jlms._planner import shared_kernels
 from jlms._program import Program, flatten
 
 
@@ -247,15 +248,20 @@ def _stacking_seconds(eqn, body, target: GpuTarget, cache: dict) -> float:
 
 
 def recompute_seconds(program: Program, liveness, chain: tuple[int, ...],
-                      value: int, target: GpuTarget) -> float:
+                      value: int, target: GpuTarget,
+                      reads_inputs: bool = True) -> float:
   """Seconds to make `value` again by the equations `chain`: each matmul or
   convolution is a kernel of its own, priced as in `kernel_seconds`; the
   elementwise rest is one fused kernel that reads the chain's inputs made
-  outside it and writes `value`."""
+  outside it and writes `value`. With `reads_inputs=False` that kernel is
+  another recomputation's, which reads the inputs anyway: only the writing
+  of `value` is this one's."""
   made = {out for index in chain for out in program.equations[index].outputs}
   leaves = {atom for index in chain for atom in program.equations[index].inputs
             if isinstance(atom, int) and atom not in made}
-  moved = sum(liveness.nbytes[v] for v in leaves) + liveness.nbytes[value]
+  moved = liveness.nbytes[value]
+  if reads_inputs:
+    moved += sum(liveness.nbytes[v] for v in leaves)
   seconds = moved / (target.hbm_bytes_per_s * target.efficiency["memory"])
   for index in chain:
     eqn = program.equations[index].eqn
@@ -265,4 +271,20 @@ def recompute_seconds(program: Program, liveness, chain: tuple[int, ...],
       peak = target.contraction_peak(
           eqn.invars[0].aval.dtype, _compat.contraction_is_full_precision(eqn))
       seconds += work / (peak * target.efficiency[kind])
+  return seconds
+
+
+def recompute_seconds_together(program: Program, liveness,
+                               together: list[tuple[tuple[int, ...], int]],
+                               target: GpuTarget) -> list[float]:
+  """Seconds of each recomputation of `together`, (chain, value) pairs
+  remade before one equation: as `recompute_seconds`, except that a chain
+  that joins another's kernel (`jlms._planner.shared_kernels`) pays only
+  for writing its value."""
+  seconds = [0.0] * len(together)
+  for group in shared_kernels(program, [chain for chain, _ in together]):
+    for position, k in enumerate(group):
+      chain, value = together[k]
+      seconds[k] = recompute_seconds(program, liveness, chain, value, target,
+                                     reads_inputs=position == 0)
   return seconds

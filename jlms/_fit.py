@@ -14,7 +14,10 @@ per byte it frees, and simulates again.
   memory-bound kernel (a BatchNorm's normalisation, a relu, a mask), and
   where it pays, a convolution or matmul, priced as `jlms._cost` prices it.
   A value such a recomputation reads may still move, if it is back on the
-  device by then.
+  device by then. An elementwise recomputation may also be remade where an
+  elementwise one already chosen reads all its inputs, before its own far
+  read: remade together, XLA makes both in one kernel (a relu's mask with
+  the relu, from one BatchNorm output), and it costs only its writing.
 - A copy goes to host after the last read before the gap and must have
   finished before the first equation at which compute has hidden it
   (`swap_out_done_before`); it comes back from where compute before the far
@@ -47,7 +50,7 @@ from jlms import _compat
 from jlms._cost import GpuTarget, kernel_seconds, recompute_seconds
 from jlms._liveness import Liveness
 from jlms._units import format_bytes
-from jlms._planner import Offload, SwapIn, is_offloadable
+from jlms._planner import Offload, SwapIn, is_offloadable, shared_kernels
 from jlms._program import Program
 from jlms._schedule import StepTime, predict_step_time
 from jlms._simulator import (Fusion, MemoryTimeline, analyse_fusion,
@@ -201,6 +204,36 @@ class _Problem:
     return _Option(offload, liveness.nbytes[value], frees_from, far, cost,
                    tuple(sorted(leaves)))
 
+  def shared_recompute(self, option: _Option, moved: dict) -> _Option | None:
+    """`option`, a recomputation, remade instead beside a recomputation
+    already chosen, at or before its own far read, where the two share a
+    kernel (`jlms._planner.shared_kernels`: elementwise chains, the other
+    reading all this one's inputs; the rewrite emits them behind one
+    barrier). Its estimate is then the writing of its value alone (the
+    schedule model prices the pair exactly). None where there is no such
+    place."""
+    offload = option.offload
+    place = None
+    for other in moved.values():
+      anchor = other.offload.swap_ins[0].issue_before
+      if (other.offload.is_recompute
+          and option.frees_from < anchor <= option.frees_until
+          and (place is None or anchor > place)
+          # This one joins the other's kernel, so its inputs are the
+          # other's, on the device there (never the other way round: one
+          # of its own inputs may be made after that place).
+          and shared_kernels(self.program, [other.offload.recompute,
+                                            offload.recompute]) == [[0, 1]]):
+        place = anchor
+    if place is None:
+      return None
+    shared = dataclasses.replace(
+        offload, swap_ins=(SwapIn(place, offload.swap_ins[0].reads),))
+    cost = recompute_seconds(self.program, self.liveness, offload.recompute,
+                             offload.value, self.target, reads_inputs=False)
+    return _Option(shared, option.nbytes, option.frees_from, place, cost,
+                   option.leaves)
+
   def simulate(self, offloads) -> MemoryTimeline:
     return simulate(self.program, self.liveness, tuple(offloads), self.fusion,
                     working=self.working)
@@ -280,8 +313,9 @@ def _fit_greedily(problem: _Problem, budget: int | None, chosen: list,
         continue
       if (value, far) not in transfers:
         transfers[value, far] = problem.transfer(value, near, far)
-      found = (transfers[value, far],
-               problem.recompute(value, near, far, moved))
+      remade = problem.recompute(value, near, far, moved)
+      found = (transfers[value, far], remade,
+               remade and problem.shared_recompute(remade, moved))
       for option in found:
         if (option is not None
             and option.frees_from <= peak < option.frees_until

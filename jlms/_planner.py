@@ -126,3 +126,32 @@ def _plan_value(value: int, producer: int, reads: tuple[int, ...],
              reads=tuple(group))
       for group in groups)
   return Offload(value, swap_out_after, swap_ins)
+
+
+def shared_kernels(program: Program,
+                   chains: list[tuple[int, ...]]) -> list[list[int]]:
+  """Groups of `chains` (equation indices of recomputations remade before
+  one equation) that XLA can make in one kernel, as positions in `chains`,
+  the kernel's own chain first: an elementwise chain joins the first
+  elementwise chain, of those that read the most, that reads all its
+  inputs (a relu's mask joins its relu: both read the BatchNorm output).
+  Every other chain is a group of its own. `jlms._rewrite` emits each group
+  behind one barrier of its own; the time model prices a joining chain at
+  the writing of its value."""
+  def inputs(chain):
+    made = {out for i in chain for out in program.equations[i].outputs}
+    return {atom for i in chain for atom in program.equations[i].inputs
+            if isinstance(atom, int) and atom not in made}
+
+  read = [inputs(chain) for chain in chains]
+  elementwise = [not any(_compat.contraction_flops(program.equations[i].eqn)
+                         for i in chain) for chain in chains]
+  groups: list[list[int]] = []
+  for k in sorted(range(len(chains)), key=lambda k: -len(read[k])):
+    kernel = next((g for g in groups if elementwise[g[0]] and elementwise[k]
+                   and read[k] and read[k] <= read[g[0]]), None)
+    if kernel is None:
+      groups.append([k])
+    else:
+      kernel.append(k)
+  return groups

@@ -27,7 +27,7 @@ import dataclasses
 import numpy as np
 
 from jlms._config import SyncMode
-from jlms._cost import GpuTarget, recompute_seconds
+from jlms._cost import GpuTarget, recompute_seconds_together
 from jlms._liveness import Liveness, aval_nbytes
 from jlms._program import Program
 
@@ -74,13 +74,18 @@ def predict_step_time(program: Program, liveness: Liveness,
   waits = collections.defaultdict(list)
   recomputes = collections.defaultdict(float)
   recompute_total = 0.0
+  remade_before = collections.defaultdict(list)
+  for offload in offloads:
+    for swap_in in offload.swap_ins if offload.is_recompute else ():
+      remade_before[swap_in.issue_before].append(
+          (offload.recompute, offload.value))
+  for index, together in remade_before.items():
+    cost = sum(recompute_seconds_together(program, liveness, together,
+                                          target))
+    recomputes[index] += cost
+    recompute_total += cost
   for number, offload in enumerate(offloads):
     if offload.is_recompute:
-      cost = recompute_seconds(program, liveness, offload.recompute,
-                               offload.value, target)
-      for swap_in in offload.swap_ins:
-        recomputes[swap_in.issue_before] += cost
-        recompute_total += cost
       continue
     outs_after[offload.swap_out_after].append(number)
     wait = offload.swap_out_done_before

@@ -216,3 +216,55 @@ def test_only_postponable_contractions_are_pinned_to_the_next_barrier():
       and index < barriers[-1]}
   assert weight_gradients
   assert _postponable_contractions(program, barriers) == weight_gradients
+
+
+def test_recomputations_that_share_a_kernel_are_emitted_once_behind_one_barrier():
+  # Two values remade from the same inputs before the same equation: the
+  # equations their chains share are emitted once, behind one barrier, so
+  # that XLA can make both in one kernel. A third, remade there from other
+  # inputs, keeps a barrier of its own (behind one, XLA could make all at
+  # once and hold all they make).
+  from jlms._liveness import analyse
+  from jlms._planner import Offload, SwapIn
+  from jlms._program import flatten
+  from jlms._rewrite import rewrite
+  def fn(x, w):
+    y = x * 3.0 + 1.0
+    r = jnp.maximum(y, 0.0)
+    m = (y > 0).astype(jnp.float32)
+    s = jnp.sin(w)
+    h = x
+    for _ in range(4):
+      h = jnp.tanh(h @ w)
+    return h + r + m + s
+  shape = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+  program = flatten(jax.make_jaxpr(fn)(shape, shape))
+  liveness = analyse(program)
+  names = [e.primitive.name for e in program.equations]
+  scaled, shifted = names.index("mul"), names.index("add")
+  relu, mask = names.index("max"), names.index("gt")
+  cast, sine = names.index("convert_element_type"), names.index("sin")
+  last = len(program) - 3  # the first of the three final adds
+  near = max(relu, cast, sine) + 1
+
+  def remade(chain):
+    value = program.equations[chain[-1]].outputs[0]
+    reads = tuple(u for u in liveness.uses[value] if u > near)
+    return Offload(value, near, (SwapIn(last, reads),), recompute=chain)
+
+  offloads = (remade((scaled, shifted, relu)),
+              remade((scaled, shifted, mask, cast)), remade((sine,)))
+  rewritten = rewrite(program, offloads, jlms.OffloadConfig())
+  _compat.check_jaxpr(rewritten)
+  emitted = [e.primitive.name for e in rewritten.jaxpr.eqns]
+  # Forward: mul, add, max, gt, sin once each; remade: the same again.
+  assert emitted.count("mul") == 2 and emitted.count("add") == 2 + 3
+  assert emitted.count("gt") == 2 and emitted.count("max") == 2
+  assert emitted.count("sin") == 2
+  assert emitted.count("optimization_barrier") == 2
+  x = jnp.arange(256 * 256, dtype=jnp.float32).reshape(256, 256) / 65536 - 0.5
+  w = jnp.eye(256, dtype=jnp.float32) * 0.5
+  want = jax.jit(fn)(x, w)
+  got = jax.jit(lambda *a: _compat.eval_jaxpr(
+      rewritten.jaxpr, rewritten.consts, *a))(x, w)[0]
+  assert jnp.allclose(got, want)

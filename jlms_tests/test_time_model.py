@@ -122,3 +122,48 @@ def test_the_time_model_is_calibrated_to_the_steps_measured_on_an_h100():
   # 0.139).
   assert max(abs(e) for e in errors.values()) <= 0.30, errors
   assert np.sqrt(np.mean(np.square(logs))) <= 0.15, errors
+
+
+def _relu_and_mask():
+  """A BatchNorm-like normalisation, its relu and the relu's mask, each read
+  again at the end: the two chains that remake them read the same inputs."""
+  def fn(x, scale):
+    y = x * scale + 1.0
+    r = jnp.maximum(y, 0.0)
+    m = y > 0
+    h = jnp.tanh(x @ x)
+    return h, r, m
+  program, liveness = _program(fn, jax.ShapeDtypeStruct((2048, 2048), jnp.float32),
+                               jax.ShapeDtypeStruct((), jnp.float32))
+  def index_of(primitive, start=0):
+    return next(i for i, e in enumerate(program.equations)
+                if i >= start and e.primitive.name == primitive)
+  scaled, shifted = index_of("mul"), index_of("add")
+  relu, mask = index_of("max"), index_of("gt")
+  matmul = index_of("dot_general")
+  chains = {"relu": (scaled, shifted, relu), "mask": (scaled, shifted, mask),
+            "matmul": (matmul,)}
+  return program, liveness, chains
+
+
+def test_elementwise_recomputations_remade_together_read_their_inputs_once():
+  from jlms._cost import recompute_seconds, recompute_seconds_together
+  program, liveness, chains = _relu_and_mask()
+  value = {k: program.equations[c[-1]].outputs[0] for k, c in chains.items()}
+  alone = {k: recompute_seconds(program, liveness, c, value[k], H100)
+           for k, c in chains.items()}
+  together = recompute_seconds_together(
+      program, liveness, [(chains[k], value[k]) for k in ("relu", "mask")],
+      H100)
+  rate = H100.hbm_bytes_per_s * H100.efficiency["memory"]
+  # The first listed of chains that read the same inputs is the kernel (the
+  # relu's reads x); the mask joins it and only writes its bytes (bool).
+  assert together[0] == pytest.approx(alone["relu"])
+  assert together[1] == pytest.approx(2048 * 2048 / rate)
+  assert together[1] < alone["mask"] / 2
+  # A matmul's chain is a kernel of its own: remade beside the relu, it
+  # costs what it costs alone, and so does the relu.
+  beside = recompute_seconds_together(
+      program, liveness, [(chains["matmul"], value["matmul"]),
+                          (chains["relu"], value["relu"])], H100)
+  assert beside == pytest.approx([alone["matmul"], alone["relu"]])
