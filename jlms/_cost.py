@@ -42,7 +42,7 @@ import numpy as np
 
 from jlms import _compat, _rules
 from jlms._liveness import analyse
-from jlms._planner import shared_kernels
+from jlms._planner import chain_inputs, shared_kernels
 from jlms._program import Program, flatten
 
 
@@ -256,12 +256,9 @@ def recompute_seconds(program: Program, liveness, chain: tuple[int, ...],
   outside it and writes `value`. With `reads_inputs=False` that kernel is
   another recomputation's, which reads the inputs anyway: only the writing
   of `value` is this one's."""
-  made = {out for index in chain for out in program.equations[index].outputs}
-  leaves = {atom for index in chain for atom in program.equations[index].inputs
-            if isinstance(atom, int) and atom not in made}
   moved = liveness.nbytes[value]
   if reads_inputs:
-    moved += sum(liveness.nbytes[v] for v in leaves)
+    moved += sum(liveness.nbytes[v] for v in chain_inputs(program, chain))
   seconds = moved / (target.hbm_bytes_per_s * target.efficiency["memory"])
   for index in chain:
     eqn = program.equations[index].eqn

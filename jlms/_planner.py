@@ -128,6 +128,13 @@ def _plan_value(value: int, producer: int, reads: tuple[int, ...],
   return Offload(value, swap_out_after, swap_ins)
 
 
+def chain_inputs(program: Program, chain: tuple[int, ...]) -> set[int]:
+  """The values the equations `chain` read that they do not make."""
+  made = {out for i in chain for out in program.equations[i].outputs}
+  return {atom for i in chain for atom in program.equations[i].inputs
+          if isinstance(atom, int) and atom not in made}
+
+
 def shared_kernels(program: Program,
                    chains: list[tuple[int, ...]]) -> list[list[int]]:
   """Groups of `chains` (equation indices of recomputations remade before
@@ -138,12 +145,7 @@ def shared_kernels(program: Program,
   Every other chain is a group of its own. `jlms._rewrite` emits each group
   behind one barrier of its own; the time model prices a joining chain at
   the writing of its value."""
-  def inputs(chain):
-    made = {out for i in chain for out in program.equations[i].outputs}
-    return {atom for i in chain for atom in program.equations[i].inputs
-            if isinstance(atom, int) and atom not in made}
-
-  read = [inputs(chain) for chain in chains]
+  read = [chain_inputs(program, chain) for chain in chains]
   elementwise = [not any(_compat.contraction_flops(program.equations[i].eqn)
                          for i in chain) for chain in chains]
   groups: list[list[int]] = []
