@@ -13,8 +13,10 @@
 #   4. with SLOW_S set (seconds), the slow tier likewise.
 #
 # Each part has its own time limit (seconds: STEPS_S, GPU_TESTS_S, QUICK_S,
-# SLOW_S)
-# and its log in $OUT, so that a part that runs long leaves the others' work.
+# SLOW_S) and its log in $OUT, so that a part that runs long leaves the
+# others' work; a test tier past its limit is interrupted (SIGINT), so that
+# pytest still reports what ran. CASES (names of benchmarks.gpu_steps cases,
+# space-separated) limits part 1 to those cases.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -29,11 +31,11 @@ python=${PYTHON:-python3}
 if [ -f .gpu_steps/manifest.json ]; then
   echo "=== 1. frontier programs on the GPU"
   timeout "${STEPS_S:-240}" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.99 \
-    "$python" -m benchmarks.gpu_steps run --out "$OUT" 2>&1 | tee "$OUT/gpu_steps.log"
+    "$python" -m benchmarks.gpu_steps run --out "$OUT" ${CASES:+--case $CASES} 2>&1 | tee "$OUT/gpu_steps.log"
 fi
 
 echo "=== 2. the gpu tests"
-timeout "${GPU_TESTS_S:-150}" env JAX_PLATFORMS=cuda,cpu \
+timeout -s INT -k 20 "${GPU_TESTS_S:-150}" env JAX_PLATFORMS=cuda,cpu \
   "$python" -m pytest -m gpu -n 0 -p no:cacheprovider -rA --tb=short \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 
@@ -42,7 +44,7 @@ timeout "${GPU_TESTS_S:-150}" env JAX_PLATFORMS=cuda,cpu \
 # time limit.
 on_gpu() {
   local name=$1 marks=$2 limit=$3
-  timeout "$limit" env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  timeout -s INT -k 20 "$limit" env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false \
     "$python" -m pytest -m "$marks" -n "${WORKERS:-8}" -p no:cacheprovider \
     -rfE --tb=short --junitxml="$OUT/${name}_tests.xml" > "$OUT/${name}_tests.log" 2>&1
   echo "$name tier exit $?"

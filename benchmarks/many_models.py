@@ -196,7 +196,10 @@ def _error(exception: BaseException) -> dict:
 def _flops(step, abstract) -> float:
     import jax
 
-    analysis = jax.jit(step).lower(*abstract).cost_analysis()
+    lowered = jax.jit(step).lower(*abstract)
+    analysis = lowered.cost_analysis()
+    if analysis is None:  # on a GPU, only the compiled program has one
+        analysis = lowered.compile().cost_analysis()
     if isinstance(analysis, list):  # older jax: one dict per program
         analysis = analysis[0]
     return float(analysis["flops"])

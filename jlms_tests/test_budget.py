@@ -123,7 +123,8 @@ def test_a_step_that_fits_is_not_rewritten(resnet):
 def test_a_budget_is_met_by_recomputing_what_is_cheap(resnet, caplog):
   case, peak = resnet
   budget = int(0.6 * peak)
-  step = jlms.offload(case.step, budget=budget)
+  # The H100 by name: on an H200, XLA for it confirmed a plan with copies.
+  step = jlms.offload(case.step, budget=budget, target="h100")
   with caplog.at_level(logging.INFO, logger="jlms"):
     plan = step.plan(*case.abstract_args())
   assert plan.predicted_peak_bytes <= budget < plan.baseline_peak_bytes

@@ -96,7 +96,8 @@ def test_a_least_memory_plan_no_smaller_than_jax_jits_is_not_applied():
 
 
 @pytest.mark.slow  # 9 s on JAX 0.12: an attention step compiled four times
-def test_a_sensitive_bfloat16_step_agrees_within_jax_jits_own_rounding():
+def test_a_sensitive_bfloat16_step_agrees_within_jax_jits_own_rounding(
+    monkeypatch):
   # Found by the long profile on JAX 0.12: with the least memory, jlms
   # recomputes LayerNorm statistics, a QKV projection and a dropout mask of
   # this mixed-precision attention step; XLA compiles a recomputed
@@ -110,6 +111,12 @@ def test_a_sensitive_bfloat16_step_agrees_within_jax_jits_own_rounding():
                   while_loop=True, nested_jit=True, optimizer="sgd",
                   donate=False)
   drawn = build(spec)
+  # Planned as on a CPU, by the simulator alone: XLA for an H100 or an H200
+  # finds this plan's peak no lower than jax.jit's (4.06 MiB both on an
+  # H100), so on a GPU it would not be applied, and the rounding it shows
+  # would go untested.
+  monkeypatch.setattr(jlms.OffloadedStep, "_confirm_target",
+                      lambda self, leaves=(): None)
   stepper = drawn.offload(budget="min", min_bytes=1)
   args, kwargs = drawn.abstract_args()
   plan = stepper.plan(*args, **kwargs)
