@@ -24,6 +24,8 @@ fresh ones each run, of every family in every property. Each failure a
 long run finds, shrunk, becomes a regression test in `test_regressions.py`.
 """
 
+import collections
+
 import jax
 import numpy as np
 from hypothesis import event, given, note, settings
@@ -127,14 +129,23 @@ def _dynamic(drawn, args, kwargs):
 #: and compile options: where jlms's program is jax.jit's (nothing moved,
 #: as often in (d)) or two draws' options give the same program, it is
 #: compiled once (half a second to three seconds each on JAX 0.12's CPU).
-_COMPILED: dict = {}
+#: The last `_COMPILED_KEPT` only: each CPU executable holds about 250
+#: memory mappings, and unbounded, the long profile's 200 draws of (a) ran
+#: into the kernel's limit of 65530 after about 130 (LLVM "Cannot allocate
+#: memory", then a segmentation fault, on JAX 0.12.0.1).
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
+_COMPILED_KEPT = 32
 
 
 def _compiled(lowered, options: dict):
   key = (lowered.as_text(), str(lowered.in_tree), str(lowered.out_tree),
          tuple(sorted(options.items())))
-  if key not in _COMPILED:
+  if key in _COMPILED:
+    _COMPILED.move_to_end(key)
+  else:
     _COMPILED[key] = lowered.compile(options)
+    while len(_COMPILED) > _COMPILED_KEPT:
+      _COMPILED.popitem(last=False)
   return _COMPILED[key]
 
 
