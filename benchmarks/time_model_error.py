@@ -2,6 +2,7 @@
 calibration of its kernel efficiencies.
 
     python -m benchmarks.time_model_error [--no-yardstick] [--json PATH]
+                                          [--measured GPU_STEPS.json --target NAME]
 
 The ground truth: the frontier's `jax.jit` and per-layer remat
 (`jax.checkpoint(nothing_saveable)`) programs timed on an NVIDIA H100 80GB
@@ -10,7 +11,11 @@ HBM3 by `benchmarks.gpu_steps` (median of 8 steps, JAX 0.11.2;
 ResNet at 256x256 (both) and at 1024x1024 (remat; jax.jit does not fit),
 the scanned GPT in float32 and bfloat16, the scanned MLP. Without that
 file, the eight steps of ../shared/reference/H100-MEASURED.md ("Step time
-and memory"), models kept outside the project. These programs are the
+and memory"), models kept outside the project. `--measured` names another
+run of `benchmarks.gpu_steps` and `--target` the GPU it ran on (an H200's,
+`benchmarks/results/gpu_steps_h200.json`, with `--target h200`): the model
+of that target (`jlms._cost.TARGETS`, the H100's efficiencies) is judged
+against it, and the schedule model prices XLA's program for that target. These programs are the
 user's own, so the measurements hold whatever jlms's version. For each,
 the table gives:
 
@@ -77,11 +82,14 @@ GPU_STEPS_JSON = (pathlib.Path(__file__).resolve().parent / "results"
 _CONFIGS = {"jax.jit": "jax.jit", "remat nothing_saveable": "remat"}
 
 
-def measured_h100_ms(path: pathlib.Path = GPU_STEPS_JSON) -> dict:
-  """(model, "jax.jit" or "remat") -> ms measured on an H100: the
-  frontier's programs as `benchmarks.gpu_steps` timed them, else the
-  reference table."""
+def measured_h100_ms(path: pathlib.Path = GPU_STEPS_JSON,
+                     reference: bool = True) -> dict:
+  """(model, "jax.jit" or "remat") -> ms measured on a GPU (an H100 unless
+  `path` says otherwise): the frontier's programs as `benchmarks.gpu_steps`
+  timed them, else (with `reference`) the H100's reference table."""
   if not path.is_file():
+    if not reference:
+      raise FileNotFoundError(f"no gpu_steps results at {path}")
     return dict(REFERENCE_H100_MS)
   rows = json.loads(path.read_text())["rows"]
   return {(row["case"], _CONFIGS[row["config"]]): row["measured_ms"]
@@ -135,7 +143,7 @@ def error_summary(ratios) -> dict:
           "rms_log_error": math.sqrt(sum(x * x for x in logs) / len(logs))}
 
 
-def calibrate(programs: dict, measured_ms: dict) -> dict:
+def calibrate(programs: dict, measured_ms: dict, target: str = "h100") -> dict:
   """The efficiencies on the grid with the least root-mean-square log error
   against the measurements, and that error."""
   best = None
@@ -143,7 +151,7 @@ def calibrate(programs: dict, measured_ms: dict) -> dict:
                                                 CONV_GRID):
     efficiency = {"memory": float(memory), "matmul": float(matmul),
                   "conv": float(conv)}
-    summary = error_summary([predicted_ms(programs[key], efficiency)
+    summary = error_summary([predicted_ms(programs[key], efficiency, target)
                              / measured for key, measured
                              in measured_ms.items()])
     if best is None or summary["rms_log_error"] < best["rms_log_error"]:
@@ -157,33 +165,40 @@ def main(argv=None) -> dict:
                       help="skip compiling for the schedule model")
   parser.add_argument("--no-grid", action="store_true",
                       help="skip the calibration search")
+  parser.add_argument("--measured", default=None,
+                      help="a benchmarks.gpu_steps JSON (default: the H100's)")
+  parser.add_argument("--target", default="h100", choices=sorted(_cost.TARGETS),
+                      help="the GPU the measured run was on")
   parser.add_argument("--json", default=None)
   options = parser.parse_args(argv)
+  target = options.target
   yardstick = None if options.no_yardstick else frontier.load_yardstick()
-  shipped = dict(_cost.TARGETS["h100"].efficiency)
+  shipped = dict(_cost.TARGETS[target].efficiency)
   roofline = {"memory": 1.0, "matmul": 1.0, "conv": 1.0}
   programs, rows = {}, []
-  print(f"{'step':<10} {'config':<8} {'H100 ms':>8} {'jlms':>7} {'err':>7} "
+  print(f"{'step':<10} {'config':<8} {target.upper() + ' ms':>8} {'jlms':>7} {'err':>7} "
         f"{'roofline':>8} {'err':>7} {'memory':>7} {'contr.':>7} "
         f"{'XLA sched':>9} {'err':>7}")
-  measured_ms = measured_h100_ms()
+  measured_ms = (measured_h100_ms() if options.measured is None else
+                 measured_h100_ms(pathlib.Path(options.measured),
+                                  reference=False))
   for (model, config), measured in measured_ms.items():
     case = case_of(model, config)
     placed = programs[model, config] = placed_program(case)
     row = {"model": model, "config": config, "step": case.name,
            "measured_ms": measured,
-           "jlms_ms": predicted_ms(placed, shipped),
-           "roofline_ms": predicted_ms(placed, roofline),
+           "jlms_ms": predicted_ms(placed, shipped, target),
+           "roofline_ms": predicted_ms(placed, roofline, target),
            # Each part alone: the other kinds of kernel made free.
            "memory_ms": predicted_ms(placed, {"memory": 1.0, "matmul": 1e9,
-                                              "conv": 1e9}),
+                                              "conv": 1e9}, target),
            "contraction_ms": predicted_ms(placed, {"memory": 1e9,
                                                    "matmul": 1.0,
-                                                   "conv": 1.0}),
+                                                   "conv": 1.0}, target),
            "yardstick_ms": None}
     if yardstick is not None:
       hlo = jlms.xla_memory(jax.jit(case.step), *case.abstract_args(),
-                            target="h100").hlo_text
+                            target=target).hlo_text
       row["yardstick_ms"] = float(yardstick.estimate(hlo)["total_ms"])
     for key in ("jlms", "roofline", "yardstick"):
       value = row[f"{key}_ms"]
@@ -203,10 +218,10 @@ def main(argv=None) -> dict:
       summary[key] = error_summary([1 + e for e in errors])
       print(f"{key:<10} largest error {summary[key]['max_abs_error']:.0%}, "
             f"rms log error {summary[key]['rms_log_error']:.3f}")
-  result = {"target": "h100", "efficiency": shipped, "rows": rows,
+  result = {"target": target, "efficiency": shipped, "rows": rows,
             "summary": summary}
   if not options.no_grid:
-    best = calibrate(programs, measured_ms)
+    best = calibrate(programs, measured_ms, target)
     result["calibration"] = best
     print(f"calibration: least rms log error {best['rms_log_error']:.3f} "
           f"(largest error {best['max_abs_error']:.0%}) at "
