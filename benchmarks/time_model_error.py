@@ -15,7 +15,8 @@ and memory"), models kept outside the project. `--measured` names another
 run of `benchmarks.gpu_steps` and `--target` the GPU it ran on (an H200's,
 `benchmarks/results/gpu_steps_h200.json`, with `--target h200`): the model
 of that target (`jlms._cost.TARGETS`, the H100's efficiencies) is judged
-against it, and the schedule model prices XLA's program for that target. These programs are the
+against it, and the schedule model prices XLA's program for that target.
+These programs are the
 user's own, so the measurements hold whatever jlms's version. For each,
 the table gives:
 
@@ -82,7 +83,7 @@ GPU_STEPS_JSON = (pathlib.Path(__file__).resolve().parent / "results"
 _CONFIGS = {"jax.jit": "jax.jit", "remat nothing_saveable": "remat"}
 
 
-def measured_h100_ms(path: pathlib.Path = GPU_STEPS_JSON,
+def measured_ms(path: pathlib.Path = GPU_STEPS_JSON,
                      reference: bool = True) -> dict:
   """(model, "jax.jit" or "remat") -> ms measured on a GPU (an H100 unless
   `path` says otherwise): the frontier's programs as `benchmarks.gpu_steps`
@@ -179,8 +180,8 @@ def main(argv=None) -> dict:
   print(f"{'step':<10} {'config':<8} {target.upper() + ' ms':>8} {'jlms':>7} {'err':>7} "
         f"{'roofline':>8} {'err':>7} {'memory':>7} {'contr.':>7} "
         f"{'XLA sched':>9} {'err':>7}")
-  measured_ms = (measured_h100_ms() if options.measured is None else
-                 measured_h100_ms(pathlib.Path(options.measured),
+  measured_ms = (measured_ms() if options.measured is None else
+                 measured_ms(pathlib.Path(options.measured),
                                   reference=False))
   for (model, config), measured in measured_ms.items():
     case = case_of(model, config)

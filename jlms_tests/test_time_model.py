@@ -110,7 +110,7 @@ def test_the_time_model_is_calibrated_to_the_steps_measured_on_an_h100():
   import pathlib
   from benchmarks import time_model_error
   errors, placed = {}, {}
-  for key, measured in time_model_error.measured_h100_ms().items():
+  for key, measured in time_model_error.measured_ms().items():
     placed[key] = time_model_error.placed_program(
         time_model_error.case_of(*key))
     predicted = time_model_error.predicted_ms(placed[key],
@@ -130,7 +130,7 @@ def test_the_time_model_is_calibrated_to_the_steps_measured_on_an_h100():
   # H200's model (the H100's efficiencies, 4.8 TB/s of HBM): -9%, -9% and
   # +5% (rms log error 0.080); the schedule model, at H100 speeds, -33 to
   # -43%.
-  on_h200 = time_model_error.measured_h100_ms(
+  on_h200 = time_model_error.measured_ms(
       pathlib.Path(time_model_error.__file__).parent / "results"
       / "gpu_steps_h200.json", reference=False)
   assert len(on_h200) == 3 and set(on_h200) <= set(placed), on_h200
