@@ -402,6 +402,18 @@ def bind_equation(eqn, args) -> list:
   return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def stage_equation(eqn, args) -> list:
+  """Stages (or evaluates) any equation, bodies included, on `args` under
+  its own name stack, as `jax.core.eval_jaxpr` does for each of its
+  equations; its results as a list."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+  with _source_info.user_context(eqn.source_info.traceback,
+                                 name_stack=stack), eqn.ctx.manager:
+    out = eqn.primitive.bind(*args, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
 def name_stack(eqn):
   """The name stack of `eqn` (relative to the jaxpr that holds it)."""
   return eqn.source_info.name_stack

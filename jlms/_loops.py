@@ -232,11 +232,8 @@ def prefetching_reader(eqn, positions: list[int], scopes: list[str]):
     return fetched
 
   def call(*args):
-    args = list(args)
-    for p in positions:  # cut off below: the call's inputs are on host
-      args[p] = jax.device_put(args[p], jax.memory.Space.Host)
     consts = args[:num_consts]
-    carry = args[num_consts:num_consts + num_carry]
+    carry = list(args[num_consts:num_consts + num_carry])
     stacks = [args[p] for p in positions]
 
     def iteration(state, other_slices):
@@ -254,26 +251,52 @@ def prefetching_reader(eqn, positions: list[int], scopes: list[str]):
         reverse=reverse)
     return [*carry, *ys]
 
-  device_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                  for v in eqn.invars]
-  traced = jax.make_jaxpr(jax.jit(call))(*device_avals)
+  invars = list(eqn.invars)
+  for position in positions:
+    invars[position] = _compat.new_var(host_aval(invars[position].aval))
+  return traced_call(call, [v.aval for v in eqn.invars], positions,
+                     "jlms_prefetching_scan", eqn, invars=invars,
+                     outvars=list(eqn.outvars))
+
+
+def traced_call(call, avals, host_positions, name: str, like, invars=None,
+                outvars=None):
+  """A nested-jit equation named `name` whose body is `call` traced from
+  Python (public `jax.lax.scan`, `device_put` and the like) on `avals`,
+  with its inputs at `host_positions` host values. `call` is traced on
+  device values, copied to host first; those copies are then cut off, so
+  that the equation takes the host values themselves. It has `like`'s
+  source info and context, and `invars` and `outvars` (new variables
+  where None)."""
+  host_positions = sorted(set(host_positions))
+
+  def on_host_first(*args):
+    args = list(args)
+    for p in host_positions:  # cut off below
+      args[p] = jax.device_put(args[p], jax.memory.Space.Host)
+    return call(*args)
+
+  device_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+  traced = jax.make_jaxpr(jax.jit(on_host_first))(*device_avals)
   outer = traced.jaxpr.eqns[0]
   inner = _compat.call_body_closed(outer)
   jaxpr = inner.jaxpr
+  taken = [jaxpr.invars[p] for p in host_positions]
   cut = {}
   for candidate in jaxpr.eqns:
-    if (_compat.is_device_put(candidate) and candidate.invars[0] in
-        [jaxpr.invars[p] for p in positions] and candidate.invars[0] not in
-        cut):
+    if (_compat.is_device_put(candidate) and candidate.invars[0] in taken
+        and candidate.invars[0] not in cut):
       cut[candidate.invars[0]] = candidate
-  invars = [cut[v].outvars[0] if v in cut else v for v in jaxpr.invars]
+  inner_invars = [cut[v].outvars[0] if v in cut else v
+                  for v in jaxpr.invars]
   cut_ids = {id(e) for e in cut.values()}
   eqns = [e for e in jaxpr.eqns if id(e) not in cut_ids]
-  new_inner = _compat.closed_jaxpr(jaxpr.constvars, inner.consts, invars,
+  new_inner = _compat.closed_jaxpr(jaxpr.constvars, inner.consts, inner_invars,
                                    jaxpr.outvars, eqns, jaxpr.debug_info)
-  new_invars = list(eqn.invars)
-  for position in positions:
-    new_invars[position] = _compat.new_var(host_aval(new_invars[position].aval))
+  if invars is None:
+    invars = [_compat.new_var(host_aval(a) if p in host_positions else a)
+              for p, a in enumerate(avals)]
   return _compat.with_call_body(
-      outer, new_inner, "jlms_prefetching_scan", invars=new_invars,
-      outvars=list(eqn.outvars), source_info=eqn.source_info, ctx=eqn.ctx)
+      outer, new_inner, name, invars=invars,
+      outvars=list(outer.outvars) if outvars is None else outvars,
+      source_info=like.source_info, ctx=like.ctx)

@@ -8,7 +8,11 @@ brings to the device only what it computes on at the time:
 - a stacked leaf that a scan reads one slice per iteration (the layers of
   an `nn.scan`, forward and backward) is read from host one slice per
   iteration, as streamed scan residuals are (`jlms._loops`);
-- the optimizer's update of a leaf, a run of pointwise equations on arrays
+- the optimizer's update of a layer stack whose gradient a scan makes
+  runs inside that scan, one layer per iteration as its gradient is made
+  (`jlms._update_fusion`), for the stack's state on host and on the
+  device alike: no gradient stack is then made;
+- any other update of a leaf, a run of pointwise equations on arrays
   of the leaf's shape, runs as a loop over the leaf's leading axis (one
   slice, or a chunk of rows of a long axis, per iteration): each
   iteration updates its slice of the state, fetched an iteration ahead,
@@ -44,6 +48,7 @@ from jlms._loops import (ScanResidual, host_aval, offload_scan_residuals,
                          prefetching_reader, reads_only_as_scanned)
 from jlms._names import profile_scope
 from jlms._program import Const, Equation, Program, donation_pairs
+from jlms._update_fusion import CannotFuse, fusable_loop, fused_update_loop
 
 # The leading axis a leaf's update loop runs over: at least 2 iterations
 # (XLA refuses a one-slice host stack, see `jlms._loops`), one slice each
@@ -380,6 +385,43 @@ def _update_runs(program: Program, liveness: Liveness,
   return result
 
 
+def _is_loop_or_call(primitive) -> bool:
+  return primitive is _compat.scan_p or _compat.is_jit_primitive(primitive)
+
+
+def _fusable(program: Program, liveness: Liveness, run: list[int]
+             ) -> tuple[int | None, list[int]]:
+  """(the loop whose iterations can run `run`, see
+  `jlms._update_fusion.fusable_loop`, or None; the run with the sliceable
+  equations after that loop that make what it reads: the update of a
+  moment kept on the device, which the run reads and the step returns)."""
+  shape = tuple(program.avals[program.equations[run[0]].outputs[0]].shape)
+  inside = set(run)
+  loops = sorted({liveness.producer[a] for i in run
+                  for a in program.equations[i].inputs
+                  if isinstance(a, int) and liveness.producer[a] >= 0
+                  and liveness.producer[a] not in inside
+                  and _is_loop_or_call(
+                      program.equations[liveness.producer[a]].primitive)},
+                 reverse=True)
+  for loop in loops:
+    extended, work = set(run), list(run)
+    while work:
+      for atom in program.equations[work.pop()].inputs:
+        if not isinstance(atom, int):
+          continue
+        maker = liveness.producer[atom]
+        if (maker > loop and maker not in extended and tuple(
+            program.avals[atom].shape) == shape and _is_sliceable(
+                program.equations[maker], program, shape)):
+          extended.add(maker)
+          work.append(maker)
+    extended = sorted(extended)
+    if fusable_loop(program, liveness, extended) == loop:
+      return loop, extended
+  return None, run
+
+
 def _stream_state(program: Program, state: HostState, names: dict[int, str]
                   ) -> tuple[Program, tuple[StateCopy, ...], list[int]]:
   """The update loops, whole copies and output copies of
@@ -412,9 +454,41 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
                           *state.on_device)
              if isinstance(program.outvars[o], int)}
   runs = _update_runs(program, liveness, on_host)
+  removed: set[int] = set()
+  # Updates run inside the loop that makes their gradients where they can
+  # (`jlms._update_fusion`): index of that loop -> its replacement.
+  fused_at = {}
+  by_loop: dict[int, list[list[int]]] = {}
+  taken: set[int] = set()
+  origin = {}  # an extended run -> the run it extends
+  # The update of state kept on the device is fused too where it can be:
+  # its gradient stack is then not made (on the 6.58B GPT, 8 GiB a leaf).
+  device_state = {program.invars[i] for i, _ in state.on_device}
+  in_runs = {i for run in runs for i in run}
+  device_runs = [run for run in _update_runs(program, liveness, device_state)
+                 if not in_runs & set(run)]
+  for run in runs + device_runs:
+    loop, extended = _fusable(program, liveness, run)
+    if loop is not None and not taken & set(extended):
+      taken.update(extended)
+      by_loop.setdefault(loop, []).append(extended)
+      origin[tuple(extended)] = tuple(run)
+  for loop, group in by_loop.items():
+    try:
+      fused = fused_update_loop(program, liveness, loop, group, on_host,
+                                updated, label)
+    except CannotFuse:
+      continue
+    fused_at[loop] = fused
+    removed.update(i for run in fused.runs for i in run)
+    for value in fused.host_outputs:
+      avals[value] = _compat.memory_space_aval(avals[value],
+                                               jax.memory.Space.Host)
+  fused_runs = {origin[run] for fused in fused_at.values()
+                for run in fused.runs}
+  runs = [run for run in runs if tuple(run) not in fused_runs]
   # index of a run's last equation -> its loop's equations
   loop_at: dict[int, tuple[Equation, ...]] = {}
-  removed: set[int] = set()
   loop_copies: dict[int, tuple[int, int]] = {}
   outvars = list(program.outvars)
   for run in runs:
@@ -494,6 +568,11 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
       equations.append(scan)
     elif index not in removed:
       index_of[index] = len(equations)
+      if index in fused_at:
+        fused = fused_at[index]
+        equation = fused.equation
+        copies.append(StateCopy(len(equations), fused.to_device,
+                                fused.to_host))
       swap = renamed.get(index)
       if swap:
         equation = dataclasses.replace(equation, inputs=tuple(
@@ -511,6 +590,10 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
   for run in runs:
     for index in run:
       index_of[index] = index_of[run[-1]]
+  for loop, fused in fused_at.items():
+    for run in fused.runs:
+      for index in run:
+        index_of[index] = index_of[loop]
   rewritten = dataclasses.replace(program, outvars=tuple(outvars),
                                   equations=tuple(equations),
                                   avals=tuple(avals))

@@ -462,11 +462,12 @@ def test_gpt_of_six_billion_parameters_fits_an_h100(monkeypatch):
   309.5 GiB peak under jax.jit), plain `jlms.offload(step,
   donate_argnums=(0, 1))` with its arguments on an H100: XLA's device
   peak at most 79.1 GiB, the state on host within XLA's default pinned
-  pool, and a step time that its compute and the state's crossing of the
-  link bound (2.88 s predicted: compute 2.20 s, copies 0.68 s, with the
-  four MLP moments, 32 GiB, on host); the update loops let XLA copy
-  slices in and out at once (it does in at least one), and XLA re-runs no
-  kernel."""
+  pool, and a step time within 1.5x of the larger of its compute and the
+  state's crossing of the link (2.37 s predicted: compute 2.20 s, copies
+  0.17 s, one MLP moment, 8 GiB, on host). The optimizer's update of each
+  layer stack runs in the backward loop as each layer's gradient is made,
+  so no gradient stack of those leaves is made (that is what lets all but
+  one moment stay on the device), and XLA re-runs no kernel."""
   monkeypatch.undo()
   monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
   case = zoo.gpt_case(seq=1024, batch_size=8, layers=32, width=4096,
@@ -486,20 +487,29 @@ def test_gpt_of_six_billion_parameters_fits_an_h100(monkeypatch):
   assert memory.host_argument_bytes == plan.state_host_bytes
   assert memory.host_temp_bytes < 2**30  # updated in place on host
   assert ".remat" not in memory.hlo_text  # XLA re-runs no kernel
-  loops, overlapping = _update_loops_overlapping_copies(memory.hlo_text)
-  # Each loop gives XLA a read and a write it may run at once; XLA's
-  # scheduler, pricing host copies at HBM speed, does not always take it
-  # (with the MLP's four moments on host, one of the two loops has each
-  # copy's done right after its start).
-  assert loops >= 2 and overlapping >= 1
+  # The state on host is written back by the backward loop itself, whose
+  # body holds the layer's matmuls; no loop of its own updates it.
+  loops = _loops_writing_to_host(memory.hlo_text)
+  assert loops and all(loops)
   time = plan.step_time
   crossing = plan.state_host_bytes / 55e9  # each way at once
-  # XLA's scheduler leaves host copies exposed: the floor is compute plus
-  # one crossing of the state on host (1.28x the larger of the two by
-  # jlms's model, 1.51x by the schedule model of XLA's program, where the
-  # issue asked 1.5x); the plan stays within a quarter of it.
-  assert time.total_s <= 1.25 * (time.compute_s + time.recompute_s
-                                 + crossing)
+  assert time.total_s <= 1.5 * max(time.compute_s + time.recompute_s,
+                                   crossing)
+
+
+def _loops_writing_to_host(hlo_text: str) -> list[bool]:
+  """For each computation of XLA's compiled program that writes slices
+  to host, whether it also runs matmuls."""
+  found = []
+  for computation in hlo_computations(hlo_text):
+    instructions = computation.instructions
+    if not any(name.startswith("dynamic-update-slice-start") and "S(5)" in
+               shape for name, shape, _ in instructions):
+      continue
+    found.append(any("gemm" in name or rest.startswith(("dot(",
+                                                         "custom-call("))
+                     for name, _, rest in instructions))
+  return found
 
 
 def _small_state_step(**options):
