@@ -838,14 +838,21 @@ class OffloadedStep:
     the step's analysis with that `state`: the state on the device alone
     unless `state_on_host` says otherwise; all of it on host when asked
     for, or for the least memory."""
-    if self.state_on_host is False or not donated:
+    if not donated:
       return [plain]
     program, liveness = plain.program, plain.liveness
     pairs = state_pairs(program, donated)
+    # With all of the state on the device, its updates still run inside
+    # the loops that make their gradients where they can (`jlms._state`):
+    # their gradient stacks are then never made.
+    plain = dataclasses.replace(plain, state=HostState((), (), pairs))
+    if self.state_on_host is False:
+      return [plain]
     on_host = [(i, o) for i, o in pairs if i in arrived_on_host]
     if on_host:  # placed there (by `place`, or by a step): they stay
       return [dataclasses.replace(plain, state=HostState(
-          tuple(i for i, _ in on_host), tuple(o for _, o in on_host)))]
+          tuple(i for i, _ in on_host), tuple(o for _, o in on_host),
+          tuple(p for p in pairs if p not in on_host)))]
     # A leaf is worth a copy of its own from 64 KiB (each copy costs a
     # transfer's latency, about 10 us), or from `min_bytes` if given.
     least = (self._fit_min_bytes if self._fit_min_bytes is not None
@@ -1041,7 +1048,9 @@ class OffloadedStep:
         step_times=lambda: (
             self._predict_times(times, plain, None, (), None, ())[0],
             result.step_time),
-        time_target=times.name)
+        time_target=times.name,
+        state_updated_in_loops=sum(c.updated_in_loop
+                                   for c in placed.state_copies))
     return _Analysis(placed.program, result.offloads, plan, out_trees[-1],
                      rewritten, jit_params,
                      rewrite_without_copies=without_copies, state=plain.state)
@@ -1090,11 +1099,12 @@ class OffloadedStep:
       variants = []
       for program, liveness, residuals, loops in self._programs_to_fit(plain):
         copies = ()
-        if plain.state:
+        if plain.state or plain.state.on_device:
           program, copies, residuals = keep_state_on_host(
               program, plain.state, residuals, plain.argument_names)
           liveness = analyse(program)
-          loops += f", {len(plain.state.inputs)} state leaves on host"
+          if plain.state:
+            loops += f", {len(plain.state.inputs)} state leaves on host"
         elif residuals:
           program = offload_scan_residuals(program, residuals)
           liveness = analyse(program)

@@ -125,6 +125,9 @@ class Plan:
   argument_kinds: Any = dataclasses.field(default=None, repr=False)
   output_kinds: Any = dataclasses.field(default=None, repr=False)
   state_leaves: int = 0  # state leaves kept on host between steps
+  # State leaves whose update runs inside the loop that makes their
+  # gradients (so that no gradient stack of them is made).
+  state_updated_in_loops: int = 0
   state_host_bytes: int = 0  # their bytes
 
   @functools.cached_property
@@ -159,10 +162,12 @@ class Plan:
   @property
   def fits_as_is(self) -> bool:
     """Whether the plan leaves the step as it is: nothing offloaded or
-    recomputed, no state on host, and no loop rewritten (a scan's
+    recomputed, no state on host or updated in a loop, and no loop
+    rewritten (a scan's
     residuals remade inside its backward loop change the predicted peak
     without a value of their own)."""
     return (not self.offloaded and not self.state_leaves
+            and not self.state_updated_in_loops
             and self.predicted_peak_bytes == self.baseline_peak_bytes)
 
   @property
@@ -239,6 +244,11 @@ class Plan:
           f"({format_bytes(self.state_host_bytes)}) live in pinned host "
           "memory between steps: read slice by slice where the scans read "
           "them, updated one slice at a time, written back to host")
+    if self.state_updated_in_loops:
+      lines.append(
+          f"jlms: the updates of {self.state_updated_in_loops} state leaves "
+          "run inside the loops that make their gradients, one layer at a "
+          "time: no gradient stack of them is made")
     if self.serialized:
       lines.append(f"jlms: {self.serialized} equations serialized (chained "
                    "by barriers)")

@@ -93,6 +93,9 @@ class StateCopy:
   index: int
   to_device: int
   to_host: int
+  # State leaves whose optimizer update runs inside the loop at `index`
+  # (`jlms._update_fusion`), on host or on the device.
+  updated_in_loop: int = 0
 
 
 def state_pairs(program: Program, donated: Sequence[int]
@@ -572,7 +575,7 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
         fused = fused_at[index]
         equation = fused.equation
         copies.append(StateCopy(len(equations), fused.to_device,
-                                fused.to_host))
+                                fused.to_host, fused.leaves))
       swap = renamed.get(index)
       if swap:
         equation = dataclasses.replace(equation, inputs=tuple(

@@ -81,6 +81,7 @@ class FusedLoop:
   to_device: int
   to_host: int
   host_outputs: tuple[int, ...]  # values it makes on host
+  leaves: int = 0  # state leaves whose update it runs
 
 
 def fusable_loop(program: Program, liveness: Liveness,
@@ -441,4 +442,5 @@ def fused_update_loop(program: Program, liveness: Liveness, loop: int,
   # written back unchanged at the start.
   moved = moved * (length + 1) // length
   return FusedLoop(loop, fused, tuple(tuple(run) for run in runs), moved,
-                   moved, tuple(out for _, out in host_carried))
+                   moved, tuple(out for _, out in host_carried),
+                   len(host_carried) + len(device_carried))

@@ -491,6 +491,8 @@ def test_gpt_of_six_billion_parameters_fits_an_h100(monkeypatch):
   # body holds the layer's matmuls; no loop of its own updates it.
   loops = _loops_writing_to_host(memory.hlo_text)
   assert loops and all(loops)
+  assert plan.state_updated_in_loops >= 6  # both MLP kernels' and moments'
+  assert "run inside the loops that make their gradients" in str(plan)
   time = plan.step_time
   crossing = plan.state_host_bytes / 55e9  # each way at once
   assert time.total_s <= 1.5 * max(time.compute_s + time.recompute_s,

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jlms
 from jlms import _compat, _state
 from jlms._config import OffloadConfig
 from jlms._liveness import analyse
@@ -159,3 +160,17 @@ def test_the_update_runs_in_a_backward_loop_that_streams_its_residuals():
             if tuple(rewritten.avals[v].shape) == (LAYERS, WIDTH, WIDTH)]
   assert sorted(stacks) == sorted(rewritten.outvars[:3])
   _run(rewritten, step)
+
+
+def test_the_plan_says_whose_updates_run_in_the_loop():
+  step = _adam_step(clip=False)
+  offloaded = jlms.offload(step, donate_argnums=(0, 1, 2, 3, 4),
+                           budget="min", state_on_host=False)
+  plan = offloaded.plan(*_arguments())
+  assert plan.state_updated_in_loops == 3  # the weights and both moments
+  assert plan.state_leaves == 0
+  assert "the updates of 3 state leaves run inside the loops" in str(plan)
+  got = offloaded(*jax.tree.map(jnp.copy, _arguments()))
+  for g, w in zip(got, jax.jit(step)(*_arguments())):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6,
+                               atol=1e-7)
