@@ -820,9 +820,14 @@ class OffloadedStep:
           if (refused_for_host is not None and hasattr(error, "host_bytes")):
             raise refused_for_host from None
           raise
-        log.info("jlms: %s; trying with %d state leaves (%s) on host",
-                 error, len(levels[number + 1].state.inputs),
-                 format_bytes(_state_bytes(levels[number + 1])))
+        following = levels[number + 1].state
+        if following:
+          log.info("jlms: %s; trying with %d state leaves (%s) on host",
+                   error, len(following.inputs),
+                   format_bytes(_state_bytes(levels[number + 1])))
+        else:
+          log.info("jlms: %s; trying with the state's updates inside the "
+                   "loops that make their gradients", error)
       except _NOT_FALLEN_BACK_FROM:
         raise
       except Exception as error:
@@ -835,19 +840,26 @@ class OffloadedStep:
   def _state_levels(self, plain, donated, budget, arrived_on_host=()
                     ) -> list:
     """The ways to place the step's state that `_search_levels` tries, as
-    the step's analysis with that `state`: the state on the device alone
-    unless `state_on_host` says otherwise; all of it on host when asked
-    for, or for the least memory."""
+    the step's analysis with that `state`: the state on the device, as it
+    is and then with its updates inside the loops that make its gradients
+    (for the least memory, only the latter), unless `state_on_host` says
+    otherwise; all of it on host when asked for, or for the least
+    memory."""
     if not donated:
       return [plain]
     program, liveness = plain.program, plain.liveness
     pairs = state_pairs(program, donated)
-    # With all of the state on the device, its updates still run inside
-    # the loops that make their gradients where they can (`jlms._state`):
-    # their gradient stacks are then never made.
-    plain = dataclasses.replace(plain, state=HostState((), (), pairs))
-    if self.state_on_host is False:
+    if not pairs:
       return [plain]
+    # All of the state on the device, its updates run inside the loops that
+    # make their gradients where they can (`jlms._state`): their gradient
+    # stacks are then never made. Tried after the step as it is, since
+    # where that fits the fused loops only cost time (a little, for the
+    # in-place writes); for the least memory, instead of it.
+    fused = dataclasses.replace(plain, state=HostState((), (), pairs))
+    on_device = [fused] if budget is None else [plain, fused]
+    if self.state_on_host is False:
+      return on_device
     on_host = [(i, o) for i, o in pairs if i in arrived_on_host]
     if on_host:  # placed there (by `place`, or by a step): they stay
       return [dataclasses.replace(plain, state=HostState(
@@ -863,10 +875,10 @@ class OffloadedStep:
         log.warning("jlms: no donated argument of %s is returned updated "
                     "(of the same shape and dtype): no state to keep on host",
                     self._name)
-      return [plain]
+      return on_device
     if self.state_on_host or budget is None:
       return [dataclasses.replace(plain, state=everything)]
-    levels = [plain]
+    levels = list(on_device)
     # The optimizer's moments cross the link once each way: the largest
     # first, as many as the budget needs (what stays on the device costs
     # no copy), then all of the state.
