@@ -48,7 +48,8 @@ from jlms._loops import (ScanResidual, host_aval, offload_scan_residuals,
                          prefetching_reader, reads_only_as_scanned)
 from jlms._names import profile_scope
 from jlms._program import Const, Equation, Program, donation_pairs
-from jlms._update_fusion import CannotFuse, fusable_loop, fused_update_loop
+from jlms._update_fusion import (CannotFuse, fusable_run, fused_update_loop,
+                                 is_sliceable)
 
 # The leading axis a leaf's update loop runs over: at least 2 iterations
 # (XLA refuses a one-slice host stack, see `jlms._loops`), one slice each
@@ -262,32 +263,6 @@ def _reads_on_device(equation: Equation, value: int) -> bool:
              for a, v in zip(equation.inputs, equation.eqn.invars))
 
 
-def _is_sliceable(equation: Equation, program: Program, shape) -> bool:
-  """Whether `equation` computes the same on a leading slice of arrays of
-  `shape` as on the whole: pointwise (or a broadcast of a rank-0
-  operand), every array it reads and makes of `shape` or rank 0."""
-  eqn = equation.eqn
-  if _compat.sub_jaxprs(eqn) or not equation.outputs:
-    return False
-  if not _rules.rule(eqn.primitive).pointwise and not (
-      _compat.is_scalar_broadcast(eqn)):
-    return False
-  for value in equation.outputs:
-    aval = program.avals[value]
-    if tuple(aval.shape) != shape or not _compat.has_plain_layout(aval):
-      return False
-  for atom in equation.inputs:
-    if isinstance(atom, Const):
-      if getattr(atom.value, "shape", ()) not in ((), shape):
-        return False
-      continue
-    aval = program.avals[atom]
-    if tuple(aval.shape) not in ((), shape) or not _compat.has_plain_layout(
-        aval):
-      return False
-  return True
-
-
 def _loop_rows(shape) -> int | None:
   """The rows of a leaf of `shape` that one iteration of its update loop
   takes: 1 for a leading axis of 2 to `_MAX_LOOP_LENGTH`; for a longer
@@ -331,7 +306,7 @@ def _update_runs(program: Program, liveness: Liveness,
     for r in liveness.uses[value]:
       if (r < n and r not in member and _reads_on_device(
           program.equations[r], value)
-          and _is_sliceable(program.equations[r], program, shape)):
+          and is_sliceable(program.equations[r], program, shape)):
         member[r] = shape
         work.append(r)
   while work:
@@ -340,7 +315,7 @@ def _update_runs(program: Program, liveness: Liveness,
     equation = program.equations[index]
     for out in equation.outputs:  # readers of what it makes
       for r in liveness.uses[out]:
-        if r < n and r not in member and _is_sliceable(
+        if r < n and r not in member and is_sliceable(
             program.equations[r], program, shape):
           member[r] = shape
           work.append(r)
@@ -348,7 +323,7 @@ def _update_runs(program: Program, liveness: Liveness,
       if not isinstance(atom, int) or atom in on_host:
         continue
       maker = liveness.producer[atom]
-      if (maker < 0 or maker in member or not _is_sliceable(
+      if (maker < 0 or maker in member or not is_sliceable(
           program.equations[maker], program, shape)):
         continue
       made = program.equations[maker].outputs
@@ -386,43 +361,6 @@ def _update_runs(program: Program, liveness: Liveness,
     if run:
       result.append(run)
   return result
-
-
-def _is_loop_or_call(primitive) -> bool:
-  return primitive is _compat.scan_p or _compat.is_jit_primitive(primitive)
-
-
-def _fusable(program: Program, liveness: Liveness, run: list[int]
-             ) -> tuple[int | None, list[int]]:
-  """(the loop whose iterations can run `run`, see
-  `jlms._update_fusion.fusable_loop`, or None; the run with the sliceable
-  equations after that loop that make what it reads: the update of a
-  moment kept on the device, which the run reads and the step returns)."""
-  shape = tuple(program.avals[program.equations[run[0]].outputs[0]].shape)
-  inside = set(run)
-  loops = sorted({liveness.producer[a] for i in run
-                  for a in program.equations[i].inputs
-                  if isinstance(a, int) and liveness.producer[a] >= 0
-                  and liveness.producer[a] not in inside
-                  and _is_loop_or_call(
-                      program.equations[liveness.producer[a]].primitive)},
-                 reverse=True)
-  for loop in loops:
-    extended, work = set(run), list(run)
-    while work:
-      for atom in program.equations[work.pop()].inputs:
-        if not isinstance(atom, int):
-          continue
-        maker = liveness.producer[atom]
-        if (maker > loop and maker not in extended and tuple(
-            program.avals[atom].shape) == shape and _is_sliceable(
-                program.equations[maker], program, shape)):
-          extended.add(maker)
-          work.append(maker)
-    extended = sorted(extended)
-    if fusable_loop(program, liveness, extended) == loop:
-      return loop, extended
-  return None, run
 
 
 def _stream_state(program: Program, state: HostState, names: dict[int, str]
@@ -471,7 +409,7 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
   device_runs = [run for run in _update_runs(program, liveness, device_state)
                  if not in_runs & set(run)]
   for run in runs + device_runs:
-    loop, extended = _fusable(program, liveness, run)
+    loop, extended = fusable_run(program, liveness, run)
     if loop is not None and not taken & set(extended):
       taken.update(extended)
       by_loop.setdefault(loop, []).append(extended)

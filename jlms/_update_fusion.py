@@ -23,8 +23,9 @@ made:
   computed again before the loop, from the same inputs, when the step
   computes them after it.
 
-One analysis (`fusable_loop`) and one rewrite (`fused_update_loop`), used by
-`jlms._state._stream_state`. A run that these rules do not cover (chunked
+The analyses (`fusable_run`, which widens a run by the pointwise
+equations after the loop that make what it reads, and `fusable_loop`) and
+one rewrite (`fused_update_loop`), used by `jlms._state._stream_state`. A run that these rules do not cover (chunked
 rows, a gradient read whole by something else, scalars that depend on the
 loop's results, such as a global-norm clip) keeps `jlms._state`'s own
 update loop, or stays as it is.
@@ -44,9 +45,9 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jlms import _compat
+from jlms import _compat, _rules
 from jlms._liveness import Liveness, aval_nbytes
-from jlms._loops import host_aval, traced_call
+from jlms._loops import traced_call
 from jlms._names import profile_scope
 from jlms._program import Const, Equation, Program
 
@@ -74,14 +75,76 @@ class _Run:
 
 @dataclasses.dataclass(frozen=True)
 class FusedLoop:
-  """The equation that replaces the loop at `index`, and what it moves."""
-  index: int
+  """The equation that replaces a loop, and what it moves."""
   equation: Equation
   runs: tuple[tuple[int, ...], ...]  # the update runs folded into it
   to_device: int
   to_host: int
   host_outputs: tuple[int, ...]  # values it makes on host
   leaves: int = 0  # state leaves whose update it runs
+
+
+def is_sliceable(equation: Equation, program: Program, shape) -> bool:
+  """Whether `equation` computes the same on a leading slice of arrays of
+  `shape` as on the whole: pointwise (or a broadcast of a rank-0
+  operand), every array it reads and makes of `shape` or rank 0."""
+  eqn = equation.eqn
+  if _compat.sub_jaxprs(eqn) or not equation.outputs:
+    return False
+  if not _rules.rule(eqn.primitive).pointwise and not (
+      _compat.is_scalar_broadcast(eqn)):
+    return False
+  for value in equation.outputs:
+    aval = program.avals[value]
+    if tuple(aval.shape) != shape or not _compat.has_plain_layout(aval):
+      return False
+  for atom in equation.inputs:
+    if isinstance(atom, Const):
+      if getattr(atom.value, "shape", ()) not in ((), shape):
+        return False
+      continue
+    aval = program.avals[atom]
+    if tuple(aval.shape) not in ((), shape) or not _compat.has_plain_layout(
+        aval):
+      return False
+  return True
+
+
+def _is_loop_or_call(primitive) -> bool:
+  return primitive is _compat.scan_p or _compat.is_jit_primitive(primitive)
+
+
+def fusable_run(program: Program, liveness: Liveness, run: list[int]
+                ) -> tuple[int | None, list[int]]:
+  """(the loop whose iterations can run `run`, see `fusable_loop`, or
+  None; the run widened by the sliceable equations after that loop that
+  make what it reads: the update of a moment kept on the device, which the
+  run reads and the step returns)."""
+  shape = tuple(program.avals[program.equations[run[0]].outputs[0]].shape)
+  inside = set(run)
+  loops = sorted({liveness.producer[a] for i in run
+                  for a in program.equations[i].inputs
+                  if isinstance(a, int) and liveness.producer[a] >= 0
+                  and liveness.producer[a] not in inside
+                  and _is_loop_or_call(
+                      program.equations[liveness.producer[a]].primitive)},
+                 reverse=True)
+  for loop in loops:
+    extended, work = set(run), list(run)
+    while work:
+      for atom in program.equations[work.pop()].inputs:
+        if not isinstance(atom, int):
+          continue
+        maker = liveness.producer[atom]
+        if (maker > loop and maker not in extended and tuple(
+            program.avals[atom].shape) == shape and is_sliceable(
+                program.equations[maker], program, shape)):
+          extended.add(maker)
+          work.append(maker)
+    extended = sorted(extended)
+    if fusable_loop(program, liveness, extended) == loop:
+      return loop, extended
+  return None, run
 
 
 def fusable_loop(program: Program, liveness: Liveness,
@@ -441,6 +504,6 @@ def fused_update_loop(program: Program, liveness: Liveness, loop: int,
   # One slice of each buffer crosses twice: fetched again at the end, and
   # written back unchanged at the start.
   moved = moved * (length + 1) // length
-  return FusedLoop(loop, fused, tuple(tuple(run) for run in runs), moved,
+  return FusedLoop(fused, tuple(tuple(run) for run in runs), moved,
                    moved, tuple(out for _, out in host_carried),
                    len(host_carried) + len(device_carried))
