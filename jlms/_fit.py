@@ -388,8 +388,8 @@ def _remake_once(problem: _Problem, chosen: list, timeline: MemoryTimeline,
   remade later (a block's input, remade within the chain of a later
   block's input), remake that value once, at the earlier place, and keep
   it until its own reads: the later chains then start from it. Taken value
-  by value, earliest place first, where the peak still fits and the
-  predicted step gets faster (the 16-block ResNet at remat's peak: 84
+  by value, earliest place first, where the predicted peak does not rise
+  and the predicted step gets faster (the 16-block ResNet at remat's peak: 84
   equations re-emitted twice or more, 23 after; 26.9 -> 26.3 ms by the
   schedule model of XLA's program)."""
   tried: set[tuple[int, int]] = set()
