@@ -114,6 +114,52 @@ def test_objects_with_lower_are_lowered_through_it():
         assert memory.peak_bytes == 64 * MIB + memory.temp_bytes
 
 
+def test_programs_differing_only_in_names_are_compiled_once(monkeypatch):
+    compiles = []
+    compile_ = jax.stages.Lowered.compile
+    monkeypatch.setattr(jax.stages.Lowered, "compile",
+                        lambda self, *a, **k: compiles.append(1)
+                        or compile_(self, *a, **k))
+    monkeypatch.setattr(_xla_memory, "_COMPILED_MEMORY",
+                        type(_xla_memory._COMPILED_MEMORY)())
+
+    def first(a, b):
+        return {"product": a @ b}
+
+    def second(x, y):  # another name, and other names for its result
+        return [x @ y]
+
+    one = xla_memory(first, SQUARE_F32, SQUARE_F32)
+    two = xla_memory(second, SQUARE_F32, SQUARE_F32)
+    assert len(compiles) == 1 and two is one
+    # Anything XLA compiles from tells them apart: here a donation.
+    xla_memory(jax.jit(second, donate_argnums=0), SQUARE_F32, SQUARE_F32)
+    assert len(compiles) == 2
+
+
+def test_an_offloaded_step_is_measured_with_the_compile_its_plan_made(
+        monkeypatch):
+    import jlms
+    monkeypatch.setattr(_xla_memory, "_COMPILED_MEMORY",
+                        type(_xla_memory._COMPILED_MEMORY)())
+
+    def step(x):
+        h = jnp.tanh(x @ x)
+        return jnp.sum(jnp.tanh(h @ h) * h)
+
+    offloaded = jlms.offload(jax.grad(step), budget="352MiB", target="h100")
+    plan = offloaded.plan(SQUARE_F32)
+    assert plan.xla_peak_bytes is not None
+    compiles = []
+    compile_ = jax.stages.Lowered.compile
+    monkeypatch.setattr(jax.stages.Lowered, "compile",
+                        lambda self, *a, **k: compiles.append(1)
+                        or compile_(self, *a, **k))
+    memory = xla_memory(offloaded, SQUARE_F32)
+    assert compiles == []
+    assert memory.peak_bytes == plan.xla_peak_bytes
+
+
 def test_keyword_arguments_are_placed_too():
     memory = xla_memory(
         lambda a, *, b: a + b, SQUARE_F32, b=np.ones((4096, 4096), np.float32)
