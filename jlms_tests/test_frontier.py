@@ -28,12 +28,21 @@ def _predicted_ms(fn, args, **knobs):
   return plan.step_time.total_s * 1e3, plan
 
 
+def _as_is_ms(fn, args):
+  """jlms's predicted time of `fn`'s program as it is. With no `target`
+  nothing is compiled (the XLA peak of a step that fits is not needed
+  here); the time model is the H100's either way."""
+  plan = jlms.offload(fn, budget="1TiB").plan(*args)
+  assert plan.offloaded == ()
+  return plan.step_time.total_s * 1e3
+
+
 @pytest.fixture(scope="module")
 def resnet():
   case, remat_case = (frontier_cases.resnet(), frontier_cases.resnet(True))
   args, jit, remat = _peaks(case, remat_case)
-  jit_ms, _ = _predicted_ms(case.step, args, budget="1TiB")
-  remat_ms, _ = _predicted_ms(remat_case.step, args, budget="1TiB")
+  jit_ms = _as_is_ms(case.step, args)
+  remat_ms = _as_is_ms(remat_case.step, args)
   return case, args, jit, remat, jit_ms, remat_ms
 
 
@@ -94,8 +103,7 @@ def test_scanned_gpt_fits_remats_peak_by_remaking_residuals_in_the_loop():
   # jlms's model prices this step's jax.jit low (52.3 ms against 56.3 ms
   # measured on an H100) and remat high (59.6 against 43.4): the bound it
   # holds to is remat's own predicted time, within 10%.
-  remat_ms, _ = _predicted_ms(remat_case.step, args, budget="1TiB")
-  assert ms <= 1.10 * remat_ms
+  assert ms <= 1.10 * _as_is_ms(remat_case.step, args)
   # At remat's own peak (0.1% over it) the simulator finds no plan (it
   # overstates the backward loop's working memory); XLA, asked about the
   # least-memory plan, finds it fits.
