@@ -209,6 +209,51 @@ def test_a_value_several_chains_remake_is_remade_once(monkeypatch):
       F32_TOLERANCE)
 
 
+@pytest.mark.slow  # 5 s: two CPU compiles of a small ResNet
+def test_the_hand_built_remat_peak_plan_runs_as_jax_jit():
+  """`benchmarks.remat_peak_plans`'s plan of the other kind (every block
+  input kept, each block's other activations remade from it where the
+  backward pass first reads them), handed to jlms's rewrite in place of
+  the fit's choice: every block's roles are found, each remade value's
+  chain starts from what is on the device then, and the step gives
+  jax.jit's outputs."""
+  import optax
+  from benchmarks import frontier_cases, remat_peak_plans
+  case = frontier_cases.resnet(blocks=2, channels=8, image_size=16, batch=2,
+                               optimizer=optax.sgd(0.1))
+  seen = []
+
+  def choose(problem):
+    blocks = remat_peak_plans.block_values(problem)
+    offloads = remat_peak_plans.hand_built(problem, keep_last=1)
+    seen.append((problem, blocks, offloads))
+    return offloads
+
+  with remat_peak_plans.fit_replaced_by(choose):
+    step = jlms.offload(case.step, budget=1)
+    plan = step.plan(*case.abstract_args())
+    real = case.make_args()
+    got = step(*real)
+  problem, blocks, offloads = seen[0]
+  assert sorted(blocks) == [0, 1]
+  for index, roles in blocks.items():
+    # The last block's output is read once, by the pooling right after it.
+    assert set(roles) == {"input", "conv1", "relu", "mask", "conv2"} | (
+        {"output"} if index < 1 else set())
+  assert blocks[1]["input"] == blocks[0]["output"]
+  # conv1, relu and mask of each block, conv2 of all but the last.
+  assert len(offloads) == 2 * 3 + 1 == len(plan.recomputed)
+  remade = {o.value for o in offloads}
+  assert not remade & {roles["input"] for roles in blocks.values()}
+  # The first block's second convolution is remade from its relu output,
+  # which is remade at the same place from its first convolution's.
+  first = blocks[0]
+  conv2 = next(o for o in offloads if o.value == first["conv2"])
+  producer = problem.liveness.producer
+  assert conv2.recompute == (producer[first["conv2"]],)
+  assert max_relative_error(got, jax.jit(case.step)(*real)) <= F32_TOLERANCE
+
+
 #: The tests of the `scan_mlp` fixture, on one worker: their plans are
 #: confirmed by XLA's deviceless H100 compile, whose results a process
 #: keeps (jax.jit's program as it is, compiled once for all of them).
