@@ -248,9 +248,11 @@ def _place_kernels(program: Program, liveness: Liveness,
           or uses[out][-1] >= n):
         continue
       readers = frozenset().union(*(kernels[r] for r in uses[out]))
-      operand_bytes = sum(liveness.nbytes[b] for b in buffers_behind(out))
+      # The buffers behind it are looked up only where it has a choice.
       if len(readers) > 1 and (computed_once[index] or _cheaper_as_buffer(
-          len(readers), operand_bytes, liveness.nbytes[out])):
+          len(readers),
+          sum(liveness.nbytes[b] for b in buffers_behind(out)),
+          liveness.nbytes[out])):
         materialized[out] = True
         if len(outputs) == 1 and liveness.nbytes[out] >= L2_CACHE_BYTES:
           first_reads[out] = min(int(executes_at[r]) for r in uses[out])
