@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import re
 import time
 
@@ -44,7 +43,6 @@ import jax
 import jlms
 from jlms import _fit
 from jlms import _offload
-from jlms._planner import SwapIn
 from benchmarks import frontier, frontier_cases
 from benchmarks._output import write_json
 
@@ -104,9 +102,7 @@ def hand_built(problem: _fit._Problem, keep_last: int) -> list:
       option = problem.recompute(value, near, place, back)
       if option is None:
         raise RuntimeError(f"block {index}: its {role} cannot be remade")
-      reads = tuple(r for r in problem.liveness.uses[value] if r > near)
-      offloads.append(dataclasses.replace(
-          option.offload, swap_ins=(SwapIn(place, reads),)))
+      offloads.append(option.offload)  # remade at `place`, for its reads
       back[value] = _fit._Back(place)
   return offloads
 
@@ -153,6 +149,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--json", default=None)
   options = parser.parse_args(argv)
   yardstick = frontier.load_yardstick()
+  if yardstick is None:
+    raise SystemExit(f"the schedule model is not at {frontier.YARDSTICK_PATH}: "
+                     "this benchmark reports nothing without it")
   case = frontier_cases.resnet()
   args = case.abstract_args()
   jit = jlms.xla_memory(jax.jit(case.step), *args, target=TARGET)

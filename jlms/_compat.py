@@ -377,6 +377,16 @@ def mark_host_arguments(lowered, positions) -> None:
     main.arg_attrs = ir.ArrayAttr.get(attributes)
 
 
+def compiler_options(lowered) -> tuple | None:
+  """The XLA options `jax.jit(..., compiler_options=...)` gave `lowered`'s
+  compile, as (name, value) pairs, () for none: they change what XLA
+  compiles but are not in `lowered.as_text()`. None where this JAX keeps
+  them elsewhere (not known)."""
+  options = getattr(getattr(lowered, "_lowering", None),
+                    "_compiler_options_kvs", None)
+  return None if options is None else tuple(options)
+
+
 def is_scalar_broadcast(eqn) -> bool:
   """Whether `eqn` broadcasts a rank-0 operand to an array."""
   return (eqn.primitive is _prims.broadcast_in_dim_p

@@ -17,8 +17,10 @@ the local backend, and returns the compiler's own accounting as an
 - When deviceless compilation cannot work on this machine the error is a
   `DevicelessUnavailableError` whose message says what to install or set.
 - A program compiled before in this process for the same GPU target and
-  topology (the same StableHLO text: arguments, shardings, memory kinds and
-  donation included) is not compiled again: the last `_CACHE_SIZE`
+  topology (the same StableHLO text, arguments, shardings, memory kinds and
+  donation included, but for the names of the module, its arguments and
+  results; and the same compiler options) is not compiled again: the last
+  `_CACHE_SIZE`
   results are kept. XLA's deviceless compile measures nothing on a device,
   so the same program gives the same figures; a fit that compiles a plan
   it compiled before (a budget refused, then its stated minimum) saves
@@ -41,6 +43,8 @@ from typing import Any, Callable
 import jax
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
+
+from jlms import _compat
 
 # Target name -> GpuTargetConfigProto (text format) shipped in jlms/targets.
 _GPU_TARGET_FILES = {
@@ -217,8 +221,14 @@ def xla_memory_of_call(
     lowered = lower(*args, **kwargs)
     key = None
     if target != LOCAL_TARGET and hasattr(lowered, "as_text"):
-        text = _without_names(lowered.as_text()).encode()
-        key = (target, topology, hashlib.sha256(text).digest())
+        options = _compat.compiler_options(lowered)
+        text = lowered.as_text()
+        if options is not None:
+            # Names aside only where the options are known: two functions
+            # of one body could otherwise take each other's compile.
+            text = _without_names(text)
+        key = (target, topology, options,
+               hashlib.sha256(text.encode()).digest())
         cached = _COMPILED_MEMORY.get(key)
         if cached is not None:
             _COMPILED_MEMORY.move_to_end(key)

@@ -29,9 +29,10 @@ def _predicted_ms(fn, args, **knobs):
 
 
 def _as_is_ms(fn, args):
-  """jlms's predicted time of `fn`'s program as it is. With no `target`
-  nothing is compiled (the XLA peak of a step that fits is not needed
-  here); the time model is the H100's either way."""
+  """jlms's predicted time of `fn`'s program as it is. With no `target`,
+  on a machine without a GPU, nothing is compiled (the XLA peak of a step
+  that fits is not needed here); the time model is the H100's either
+  way."""
   plan = jlms.offload(fn, budget="1TiB").plan(*args)
   assert plan.offloaded == ()
   return plan.step_time.total_s * 1e3

@@ -244,7 +244,7 @@ def _update_loops_overlapping_copies(hlo_text: str) -> tuple[int, int]:
   return loops, overlapping
 
 
-@pytest.mark.slow  # compiles for an H100: the plan, twice, and jax.jit's program
+@pytest.mark.slow  # two compiles for an H100: the plan's and jax.jit's program
 def test_xla_counts_the_state_in_host_memory():
   case = _small_gpt(layers=2)
   abstract = jax.eval_shape(case.make_args)

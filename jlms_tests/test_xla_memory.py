@@ -132,9 +132,14 @@ def test_programs_differing_only_in_names_are_compiled_once(monkeypatch):
     one = xla_memory(first, SQUARE_F32, SQUARE_F32)
     two = xla_memory(second, SQUARE_F32, SQUARE_F32)
     assert len(compiles) == 1 and two is one
-    # Anything XLA compiles from tells them apart: here a donation.
+    # Anything XLA compiles from tells them apart: a donation, compiler
+    # options (which the lowered text does not show).
     xla_memory(jax.jit(second, donate_argnums=0), SQUARE_F32, SQUARE_F32)
     assert len(compiles) == 2
+    xla_memory(jax.jit(second, compiler_options={
+        "xla_disable_hlo_passes": "rematerialization"}),
+        SQUARE_F32, SQUARE_F32)
+    assert len(compiles) == 3
 
 
 def test_an_offloaded_step_is_measured_with_the_compile_its_plan_made(
