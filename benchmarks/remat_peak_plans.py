@@ -54,8 +54,9 @@ _BLOCK = re.compile(r"/block(\d+)/(Conv_0/conv_general_dilated|"
 def block_values(problem: _fit._Problem) -> dict[int, dict[str, int]]:
   """Forward-pass values of each residual block, by role: "conv1" and
   "conv2" (the convolutions' outputs), "relu" (the first relu's output),
-  "mask" (its mask), "input" (the block's input: the previous block's
-  second relu, or the stem's output for block 0)."""
+  "mask" (its mask), "output" (the second relu's output, where a later
+  block reads it) and "input" (the previous block's output, or the stem's
+  for block 0)."""
   program, liveness = problem.program, problem.liveness
   blocks: dict[int, dict[str, int]] = {}
   stem = None

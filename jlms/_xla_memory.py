@@ -20,8 +20,7 @@ the local backend, and returns the compiler's own accounting as an
   topology (the same StableHLO text, arguments, shardings, memory kinds and
   donation included, but for the names of the module, its arguments and
   results; and the same compiler options) is not compiled again: the last
-  `_CACHE_SIZE`
-  results are kept. XLA's deviceless compile measures nothing on a device,
+  `_CACHE_SIZE` results are kept. XLA's deviceless compile measures nothing on a device,
   so the same program gives the same figures; a fit that compiles a plan
   it compiled before (a budget refused, then its stated minimum) saves
   seconds. `target="local"` compiles every time.
@@ -189,11 +188,9 @@ def xla_memory(
         the arguments' shardings use, else "1x1x1".
 
     Returns:
-      An `XlaMemory` with the compiled program's per-device bytes. A program
-      compiled here before for the same target and topology (the same
-      StableHLO, but for the names of the module, arguments and results) is
-      not compiled again: a jlms step measured after its plan was confirmed
-      takes the plan's compile.
+      An `XlaMemory` with the compiled program's per-device bytes (from the
+      cache the module docstring describes where this program was compiled
+      before: a jlms step measured after its plan takes the plan's compile).
 
     Raises:
       ValueError: `target` is not a known target.
@@ -262,9 +259,9 @@ def _without_names(text: str) -> str:
     return _NAMES.sub("", text)
 
 
-# Deviceless compiles' memory by (target, topology, SHA-256 of the lowered
-# StableHLO text less its names), least recently used first. Bounded: each keeps its
-# optimized HLO text (megabytes for a large model).
+# Deviceless compiles' memory by (target, topology, compiler options, SHA-256
+# of the lowered StableHLO text less its names), least recently used first.
+# Bounded: each keeps its optimized HLO text (megabytes for a large model).
 _CACHE_SIZE = 32
 _COMPILED_MEMORY: collections.OrderedDict[tuple, XlaMemory] = (
     collections.OrderedDict())
