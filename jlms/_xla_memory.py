@@ -20,10 +20,10 @@ the local backend, and returns the compiler's own accounting as an
   topology (the same StableHLO text, arguments, shardings, memory kinds and
   donation included, but for the names of the module, its arguments and
   results; and the same compiler options) is not compiled again: the last
-  `_CACHE_SIZE` results are kept. XLA's deviceless compile measures nothing on a device,
-  so the same program gives the same figures; a fit that compiles a plan
-  it compiled before (a budget refused, then its stated minimum) saves
-  seconds. `target="local"` compiles every time.
+  `_CACHE_SIZE` results are kept. XLA's deviceless compile measures
+  nothing on a device, so the same program gives the same figures; a fit
+  that compiles a plan it compiled before (a budget refused, then its
+  stated minimum) saves seconds. `target="local"` compiles every time.
 """
 
 from __future__ import annotations
