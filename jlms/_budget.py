@@ -15,6 +15,8 @@ from jlms._units import UNITS
 class BudgetError(ValueError):
   """The step cannot fit the memory budget, however much is offloaded."""
 
+  __module__ = "jlms"  # tracebacks and reprs show the public name
+
   #: The smallest device peak jlms reached (itself a budget that fits), when
   #: the error comes from fitting; None when XLA refused the fit.
   smallest_bytes: int | None = None

@@ -47,6 +47,8 @@ class UnsupportedJaxError(NotImplementedError):
   """This JAX has changed an internal that jlms reads in a way jlms does not
   know yet."""
 
+  __module__ = "jlms"  # tracebacks and reprs show the public name
+
 
 def _unsupported(what: str) -> UnsupportedJaxError:
   return UnsupportedJaxError(

@@ -21,11 +21,15 @@ class FallbackWarning(UserWarning):
   """jlms could not plan, rewrite or compile the step for these arguments:
   it runs as `jax.jit`'s program (`strict=True` raises instead)."""
 
+  __module__ = "jlms"  # tracebacks and reprs show the public name
+
 
 class OffloadError(RuntimeError):
   """jlms could not plan, rewrite or compile the step, and the step may not
   run as `jax.jit`'s program instead: `strict=True` was asked, or a budget
   needs the plan. The failure is the exception's `__cause__`."""
+
+  __module__ = "jlms"  # tracebacks and reprs show the public name
 
 
 def describe(error: BaseException) -> str:

@@ -19,6 +19,8 @@ class ReplanWarning(UserWarning):
   """A step has been planned for many argument signatures: its shapes,
   dtypes or static values change between calls."""
 
+  __module__ = "jlms"  # tracebacks and reprs show the public name
+
 
 @dataclasses.dataclass
 class PlanCounter:

@@ -23,6 +23,8 @@ class OffloadIneffectiveWarning(UserWarning):
   """The compiled program does not keep what the plan offloaded on host, or
   its device peak is not lower than `jax.jit`'s."""
 
+  __module__ = "jlms"  # tracebacks and reprs show the public name
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryComparison:

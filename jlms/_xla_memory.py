@@ -63,6 +63,8 @@ _MIB = 1 << 20
 class DevicelessUnavailableError(RuntimeError):
     """Deviceless GPU compilation is not possible in this Python process."""
 
+    __module__ = "jlms"  # tracebacks and reprs show the public name
+
 
 _INSTALL_AOT_ADVICE = (
     "Install the deviceless-compilation extra: pip install 'jlms[aot]' "

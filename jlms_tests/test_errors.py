@@ -1,0 +1,40 @@
+"""What a user sees when something is wrong: public exception names, and
+messages that name the setting at fault and say what to do."""
+
+import inspect
+import pickle
+import traceback
+
+import pytest
+
+import jlms
+
+# Defined in jlms/_offload.py, which sets no public module yet.
+_PRIVATE_STILL = {"StateOnDeviceWarning"}
+
+PUBLIC_EXCEPTIONS = sorted(
+    name for name, value in vars(jlms).items()
+    if inspect.isclass(value) and issubclass(value, BaseException))
+
+
+def _public(name):
+  return pytest.param(name, marks=pytest.mark.xfail(
+      strict=True, reason="defined in _offload.py, which does not set it")
+  ) if name in _PRIVATE_STILL else name
+
+
+def test_the_public_exceptions_are_found():
+  assert {"BudgetError", "OffloadError", "FallbackWarning",
+          "DevicelessUnavailableError"} <= set(PUBLIC_EXCEPTIONS)
+
+
+@pytest.mark.parametrize("name", [_public(n) for n in PUBLIC_EXCEPTIONS])
+def test_an_exception_prints_with_its_public_name(name):
+  cls = getattr(jlms, name)
+  error = cls("what went wrong")
+  shown = traceback.format_exception_only(type(error), error)[-1]
+  assert shown.startswith(f"jlms.{name}: what went wrong")
+  assert cls.__module__ == "jlms"
+  assert repr(cls) == f"<class 'jlms.{name}'>"
+  # Pickled by its public path, as a worker process sends it back.
+  assert type(pickle.loads(pickle.dumps(error))) is cls
