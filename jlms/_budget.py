@@ -6,11 +6,17 @@ A leaf module: the fitting itself is `jlms._fit`, the confirmation with XLA
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
 
 from jlms._units import UNITS
+
+# XLA's pinned host memory pool per GPU, in GiB, and its size when unset.
+HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+DEFAULT_HOST_POOL_GB = 64
+
 
 class BudgetError(ValueError):
   """The step cannot fit the memory budget, however much is offloaded."""
@@ -55,3 +61,23 @@ def parse_budget(budget, device_bytes=None) -> int:
   if value <= 0:
     raise ValueError(f"jlms: budget must be positive, got {budget!r}")
   return value
+
+
+def host_pool_bytes(environ=os.environ) -> int:
+  """Bytes of XLA's pinned host memory pool per GPU:
+  `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` GiB, 64 when unset or empty. Raises
+  ValueError naming the variable when it is not a positive number."""
+  text = environ.get(HOST_POOL_VARIABLE, "").strip()
+  if not text:
+    return DEFAULT_HOST_POOL_GB << 30
+  try:
+    gib = float(text)
+  except ValueError:
+    gib = float("nan")
+  if not 0 < gib < float("inf"):
+    raise ValueError(
+        f"jlms: cannot read {HOST_POOL_VARIABLE}={text!r}: it is XLA's pinned "
+        f"host memory pool per GPU, a positive number of GiB such as "
+        f"{DEFAULT_HOST_POOL_GB} (the default when unset); set it to one or "
+        f"unset it")
+  return int(gib * (1 << 30))

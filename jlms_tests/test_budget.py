@@ -10,7 +10,7 @@ import pytest
 import jlms
 from benchmarks import models
 from jlms import _compat
-from jlms._budget import parse_budget
+from jlms._budget import HOST_POOL_VARIABLE, host_pool_bytes, parse_budget
 from jlms._plan import format_bytes
 from jlms_tests.conftest import F32_TOLERANCE, PLATFORM, max_relative_error
 
@@ -37,6 +37,23 @@ def test_percentage_needs_a_device_size():
     parse_budget("90%")
   with pytest.raises(TypeError):
     parse_budget(True)
+
+
+@pytest.mark.parametrize("value, expected", [
+    (None, 64 * GIB), ("", 64 * GIB), ("80", 80 * GIB), (" 0.5 ", GIB // 2),
+])
+def test_the_host_pool_is_xlas_variable_in_gib(value, expected):
+  environ = {} if value is None else {HOST_POOL_VARIABLE: value}
+  assert host_pool_bytes(environ) == expected
+
+
+@pytest.mark.parametrize("value", ["abc", "64GiB", "0", "-8", "nan", "inf"])
+def test_a_malformed_host_pool_names_the_variable_and_what_it_takes(value):
+  with pytest.raises(ValueError) as raised:
+    host_pool_bytes({HOST_POOL_VARIABLE: value})
+  message = str(raised.value)
+  assert f"{HOST_POOL_VARIABLE}={value!r}" in message
+  assert "positive number of GiB" in message
 
 
 def test_an_unknown_budget_lists_the_valid_ones():

@@ -38,3 +38,11 @@ def test_an_exception_prints_with_its_public_name(name):
   assert repr(cls) == f"<class 'jlms.{name}'>"
   # Pickled by its public path, as a worker process sends it back.
   assert type(pickle.loads(pickle.dumps(error))) is cls
+
+
+@pytest.mark.xfail(strict=True, reason="needs _offload.py to read the pool "
+                   "with jlms._budget.host_pool_bytes when a step is made")
+def test_a_malformed_host_pool_is_refused_when_the_step_is_made(monkeypatch):
+  monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "abc")
+  with pytest.raises(ValueError, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB='abc'"):
+    jlms.offload(lambda x: x * 2, budget="min")
