@@ -61,7 +61,9 @@ _MIB = 1 << 20
 
 
 class DevicelessUnavailableError(RuntimeError):
-    """Deviceless GPU compilation is not possible in this Python process."""
+    """The GPU target cannot be compiled for in this Python process:
+    deviceless compilation is not set up here, or `target="local"` names a
+    GPU this machine does not have."""
 
     __module__ = "jlms"  # tracebacks and reprs show the public name
 
@@ -276,12 +278,31 @@ def _check_target(target: str) -> None:
         )
 
 
+def check_local_gpu() -> None:
+    """Raises `DevicelessUnavailableError` unless jax here runs on a GPU:
+    the "local" target, which a plan is fitted for and confirmed on, is
+    this machine's GPU."""
+    backend = jax.default_backend()
+    if backend != "gpu":
+        raise DevicelessUnavailableError(
+            f"jlms: there is no local GPU to fit the step for: jax here runs "
+            f"on {backend} (target 'local' is this machine's GPU). To plan "
+            f"for a GPU you do not have, name it: target='h100' (or 'h200', "
+            f"'a100'), which XLA compiles for deviceless with "
+            f"JAX_PLATFORMS=cpu and the aot extra (pip install 'jlms[aot]'; "
+            f"see docs/deviceless.md). To run the step here as jax.jit's "
+            f"program, name neither a target nor a budget."
+        )
+
+
 def target_memory_bytes(target: str) -> int:
     """Device memory of one GPU of `target`: its description's
     `device_memory_size` for a named target, the allocator's limit for
-    "local" (ValueError where the backend reports none, as on CPU)."""
+    "local" (`DevicelessUnavailableError` without a local GPU, ValueError
+    where its backend reports no limit)."""
     _check_target(target)
     if target == LOCAL_TARGET:
+        check_local_gpu()
         stats = jax.local_devices()[0].memory_stats() or {}
         if stats.get("bytes_limit", -1) > 0:
             return int(stats["bytes_limit"])

@@ -5,6 +5,8 @@ import inspect
 import pickle
 import traceback
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import jlms
@@ -46,3 +48,24 @@ def test_a_malformed_host_pool_is_refused_when_the_step_is_made(monkeypatch):
   monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "abc")
   with pytest.raises(ValueError, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB='abc'"):
     jlms.offload(lambda x: x * 2, budget="min")
+
+
+def _doubled(x):
+  return x * 2
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu",
+                    reason="a GPU is the local target")
+@pytest.mark.parametrize("budget", [
+    "device", "50%",
+    pytest.param("1MiB", marks=pytest.mark.xfail(
+        strict=True, reason="needs _offload.py's _confirm_target to check "
+        "for a local GPU: a budget in bytes never asks the local memory")),
+])
+def test_the_local_target_without_a_gpu_says_what_to_do_instead(budget):
+  step = jlms.offload(_doubled, target="local", budget=budget)
+  with pytest.raises(jlms.DevicelessUnavailableError,
+                     match="no local GPU") as raised:
+    step.plan(jnp.ones(4))
+  assert "target='h100'" in str(raised.value)
+  assert "report" not in str(raised.value)
