@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 import numpy as np
 
-from jlms._units import UNITS
+from jlms._units import UNITS, format_bytes
 
 # XLA's pinned host memory pool per GPU, in GiB, and its size when unset.
 HOST_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
@@ -81,3 +82,19 @@ def host_pool_bytes(environ=os.environ) -> int:
         f"{DEFAULT_HOST_POOL_GB} (the default when unset); set it to one or "
         f"unset it")
   return int(gib * (1 << 30))
+
+
+def check_budget_against_target(budget_bytes: int, target_bytes: int,
+                                target_name: str, stacklevel: int = 1) -> None:
+  """Warns (UserWarning) when `budget_bytes` is above `target_bytes`, the
+  memory of one GPU of `target_name`: a plan fitted to such a budget need
+  not fit that GPU. The warning names the line `stacklevel` frames up from
+  the one calling this function (1: that line), as `warnings.warn` counts."""
+  if budget_bytes <= target_bytes:
+    return
+  warnings.warn(
+      f"jlms: the budget of {format_bytes(budget_bytes)} is above the "
+      f"{format_bytes(target_bytes)} of one {target_name}: a plan fitted to "
+      f"it need not fit the {target_name}. Give a budget of at most "
+      f"{format_bytes(target_bytes)}, or none to fit the {target_name}'s "
+      f"memory.", UserWarning, stacklevel=stacklevel + 1)

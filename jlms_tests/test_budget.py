@@ -3,6 +3,7 @@ value (keep, copy, recompute), the defaults, and the errors."""
 
 import collections
 import logging
+import warnings
 
 import jax
 import pytest
@@ -10,7 +11,8 @@ import pytest
 import jlms
 from benchmarks import models
 from jlms import _compat
-from jlms._budget import HOST_POOL_VARIABLE, host_pool_bytes, parse_budget
+from jlms._budget import (HOST_POOL_VARIABLE, check_budget_against_target,
+                          host_pool_bytes, parse_budget)
 from jlms._plan import format_bytes
 from jlms_tests.conftest import F32_TOLERANCE, PLATFORM, max_relative_error
 
@@ -54,6 +56,30 @@ def test_a_malformed_host_pool_names_the_variable_and_what_it_takes(value):
   message = str(raised.value)
   assert f"{HOST_POOL_VARIABLE}={value!r}" in message
   assert "positive number of GiB" in message
+
+
+def test_a_budget_above_the_targets_memory_warns_with_both_figures():
+  with pytest.warns(UserWarning) as caught:
+    check_budget_against_target(10 << 40, 80 * GIB, "h100")
+  [warning] = caught
+  message = str(warning.message)
+  assert "10240.00 GiB" in message and "80.00 GiB" in message
+  assert "h100" in message
+  assert warning.filename == __file__  # the caller's line, not jlms's
+
+
+@pytest.mark.parametrize("budget", [80 * GIB, 20 * GIB])
+def test_a_budget_within_the_targets_memory_does_not_warn(budget):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    check_budget_against_target(budget, 80 * GIB, "h100")
+
+
+@pytest.mark.xfail(strict=True, reason="needs the call of "
+                   "check_budget_against_target in _offload.py")
+def test_offload_warns_of_a_budget_above_the_target_at_once():
+  with pytest.warns(UserWarning, match=r"10240\.00 GiB.*79\.11 GiB.*h100"):
+    jlms.offload(lambda x: x * 2, budget="10TiB", target="h100")
 
 
 def test_an_unknown_budget_lists_the_valid_ones():
