@@ -32,6 +32,7 @@ from jlms._loops import find_scan_residuals
 from jlms._names import profile_scope
 from jlms._config import OffloadConfig
 from jlms._program import Const, Equation, Program
+from jlms._retrace import atom_aval, traced_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,24 +112,6 @@ def rematerialize_in_loops(program: Program,
                              avals=tuple(avals))
 
 
-def _aval_of(atom, avals):
-  aval = (_compat.abstractify(atom.value) if isinstance(atom, Const)
-          else avals[atom])
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-
-
-def _traced_call(fn, inputs, avals, template_eqn, name):
-  """The nested-jit equation of `fn` traced on `inputs`' avals, placed where
-  `template_eqn` was (its source and context)."""
-  structs = [_aval_of(a, avals) for a in inputs]
-  outer = jax.make_jaxpr(jax.jit(fn))(*structs).jaxpr.eqns[0]
-  body = _compat.call_body_closed(outer)
-  return _compat.with_call_body(
-      outer, body, name, invars=[_compat.new_var(v.aval)
-                                 for v in outer.invars],
-      source_info=template_eqn.source_info, ctx=template_eqn.ctx)
-
-
 def _forward_stacking_carries(forward: Equation, choice: LoopRemat, avals):
   """The forward scan without the chosen stacks, stacking its carries."""
   layout = _compat.scan_layout(forward.eqn)
@@ -149,8 +132,8 @@ def _forward_stacking_carries(forward: Equation, choice: LoopRemat, avals):
         iteration, carry, xs, length=layout.length, reverse=layout.reverse)
     return [*carry_out, *ys, *stacked]
 
-  eqn = _traced_call(call, forward.inputs, avals, forward.eqn,
-                     "jlms_forward_stacking_carries")
+  eqn = traced_call(call, [atom_aval(a, avals) for a in forward.inputs],
+                    (), "jlms_forward_stacking_carries", forward.eqn)
   carries = []
   for var in eqn.outvars[nk + len(kept):]:
     avals.append(var.aval)
@@ -214,6 +197,6 @@ def _backward_remaking(backward: Equation, forward: Equation,
     return [*carry_out, *ys]
 
   inputs = (*b_consts, *f_consts, *b_carry, *others, *carries, *f_xs)
-  eqn = _traced_call(call, inputs, avals, backward.eqn,
-                     "jlms_backward_remaking_residuals")
+  eqn = traced_call(call, [atom_aval(a, avals) for a in inputs], (),
+                    "jlms_backward_remaking_residuals", backward.eqn)
   return dataclasses.replace(backward, eqn=eqn, inputs=tuple(inputs))

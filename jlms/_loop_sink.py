@@ -25,12 +25,16 @@ the loop stay, and are dead where nothing else reads them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 
 from jlms import _compat, _rules
 from jlms._liveness import Liveness
 from jlms._program import Const, Equation, Program
+from jlms._retrace import Retraced, traced_equations
+
+log = logging.getLogger("jlms")
 
 #: A loop input is sunk only when the values its chain starts from are at
 #: least this many times smaller than it: a broadcast, an iota, a mask.
@@ -100,18 +104,39 @@ def _expansion_chain(program: Program, liveness: Liveness, value: int):
   return tuple(sorted(chain)), tuple(sorted(leaves))
 
 
-def sink_into_loops(program: Program, sinks: tuple[LoopSink, ...]) -> Program:
-  """`program` with each sink's scan making that input in its body."""
+def sink_into_loops(program: Program, sinks: tuple[LoopSink, ...]
+                    ) -> tuple[Program, tuple[LoopSink, ...]]:
+  """`program` with each sink's scan making that input in its body, and the
+  sinks done. A loop that cannot be rewritten keeps its inputs as they are
+  (a debug log line says why); the other loops are rewritten all the
+  same."""
   if not sinks:
-    return program
+    return program, ()
   by_loop: dict[int, list[LoopSink]] = {}
   for sink in sinks:
     by_loop.setdefault(sink.loop, []).append(sink)
-  equations = list(program.equations)
-  for loop, chosen in by_loop.items():
-    equations[loop] = _scan_making_inputs(program, program.equations[loop],
-                                          chosen)
-  return dataclasses.replace(program, equations=tuple(equations))
+  equations: list[Equation] = []
+  avals = list(program.avals)
+  done: list[LoopSink] = []
+  for index, equation in enumerate(program.equations):
+    chosen = by_loop.get(index)
+    if chosen:
+      try:
+        retraced = _scan_making_inputs(program, equation, chosen, avals)
+      except Exception as error:  # noqa: BLE001 -- this loop's choice only
+        log.debug("jlms: %s keeps its %d loop-invariant inputs (%s): %s",
+                  equation.readable_name(), len(chosen),
+                  type(error).__name__, error)
+      else:
+        equations.extend(retraced.equations)
+        avals.extend(retraced.new_avals)
+        done.extend(chosen)
+        continue
+    equations.append(equation)
+  if not done:
+    return program, ()
+  return dataclasses.replace(program, equations=tuple(equations),
+                             avals=tuple(avals)), tuple(done)
 
 
 def _make_inputs(program: Program, sinks: list[LoopSink], leaves: list[int],
@@ -132,7 +157,9 @@ def _make_inputs(program: Program, sinks: list[LoopSink], leaves: list[int],
 
 
 def _scan_making_inputs(program: Program, scan: Equation,
-                        sinks: list[LoopSink]) -> Equation:
+                        sinks: list[LoopSink], avals) -> Retraced:
+  """The equations (a scan, and whatever else JAX traces) that run `scan`
+  with the sinks' inputs made in its body, new ids from `len(avals)`."""
   layout = _compat.scan_layout(scan.eqn)
   nc, nk = layout.num_consts, layout.num_carry
   body_jaxpr, body_consts = _compat.jaxpr_parts(layout.body)
@@ -161,19 +188,11 @@ def _scan_making_inputs(program: Program, scan: Equation,
     return [*carry_out, *ys]
 
   inputs = (*leaves, *(scan.inputs[p] for p in kept), *scan.inputs[nc:])
-  structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (
-      _compat.abstractify(atom.value) if isinstance(atom, Const)
-      else program.avals[atom] for atom in inputs)]
-  traced = jax.make_jaxpr(call)(*structs)
-  # `call` stages exactly one scan, on its own arguments in order: that
-  # equation replaces the old one, so that later passes see a scan.
-  jaxpr, consts = _compat.jaxpr_parts(traced)
-  if (consts or len(jaxpr.eqns) != 1
-      or jaxpr.eqns[0].primitive is not _compat.scan_p
-      or list(jaxpr.eqns[0].invars) != list(jaxpr.invars)
-      or list(jaxpr.eqns[0].outvars) != list(jaxpr.outvars)):
+  retraced = traced_equations(call, inputs, avals, scan.name_stack,
+                              like=scan.eqn, output_ids=scan.outputs)
+  # Later passes read the loop's outputs by their ids: each must still be
+  # made by the new equations (JAX may forward an unchanged carry instead).
+  if retraced.forwarded or retraced.outputs != tuple(scan.outputs):
     raise _compat.UnsupportedJaxError(
-        "jlms: tracing a scan that makes its inputs gave another jaxpr")
-  eqn = jaxpr.eqns[0].replace(source_info=scan.eqn.source_info,
-                              ctx=scan.eqn.ctx)
-  return dataclasses.replace(scan, eqn=eqn, inputs=inputs)
+        "jlms: the scan traced anew passes some of its outputs through")
+  return retraced

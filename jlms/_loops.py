@@ -38,6 +38,7 @@ from jlms._config import OffloadConfig
 from jlms._liveness import Liveness
 from jlms._names import profile_scope
 from jlms._program import Equation, Program
+from jlms._retrace import host_aval, traced_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,11 +148,6 @@ def offload_scan_residuals(program: Program,
                              avals=tuple(avals))
 
 
-def host_aval(aval):
-  """`aval` in host memory."""
-  return _compat.memory_space_aval(aval, jax.memory.Space.Host)
-
-
 def with_host_outputs(eqn, positions: list[int], scopes: list[str]):
   """The scan `eqn` whose body copies its stacked outputs at `positions`
   to host as each iteration makes them, each under its scope."""
@@ -257,46 +253,3 @@ def prefetching_reader(eqn, positions: list[int], scopes: list[str]):
   return traced_call(call, [v.aval for v in eqn.invars], positions,
                      "jlms_prefetching_scan", eqn, invars=invars,
                      outvars=list(eqn.outvars))
-
-
-def traced_call(call, avals, host_positions, name: str, like, invars=None,
-                outvars=None):
-  """A nested-jit equation named `name` whose body is `call` traced from
-  Python (public `jax.lax.scan`, `device_put` and the like) on `avals`,
-  with its inputs at `host_positions` host values. `call` is traced on
-  device values, copied to host first; those copies are then cut off, so
-  that the equation takes the host values themselves. It has `like`'s
-  source info and context, and `invars` and `outvars` (new variables
-  where None)."""
-  host_positions = sorted(set(host_positions))
-
-  def on_host_first(*args):
-    args = list(args)
-    for p in host_positions:  # cut off below
-      args[p] = jax.device_put(args[p], jax.memory.Space.Host)
-    return call(*args)
-
-  device_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-  traced = jax.make_jaxpr(jax.jit(on_host_first))(*device_avals)
-  outer = traced.jaxpr.eqns[0]
-  inner = _compat.call_body_closed(outer)
-  jaxpr = inner.jaxpr
-  taken = [jaxpr.invars[p] for p in host_positions]
-  cut = {}
-  for candidate in jaxpr.eqns:
-    if (_compat.is_device_put(candidate) and candidate.invars[0] in taken
-        and candidate.invars[0] not in cut):
-      cut[candidate.invars[0]] = candidate
-  inner_invars = [cut[v].outvars[0] if v in cut else v
-                  for v in jaxpr.invars]
-  cut_ids = {id(e) for e in cut.values()}
-  eqns = [e for e in jaxpr.eqns if id(e) not in cut_ids]
-  new_inner = _compat.closed_jaxpr(jaxpr.constvars, inner.consts, inner_invars,
-                                   jaxpr.outvars, eqns, jaxpr.debug_info)
-  if invars is None:
-    invars = [_compat.new_var(host_aval(a) if p in host_positions else a)
-              for p, a in enumerate(avals)]
-  return _compat.with_call_body(
-      outer, new_inner, name, invars=invars,
-      outvars=list(outer.outvars) if outvars is None else outvars,
-      source_info=like.source_info, ctx=like.ctx)

@@ -1172,7 +1172,7 @@ class OffloadedStep:
     # are made inside them again: every variant below rewrites its loops
     # anyway, and each such input is a buffer alive through both loops.
     sinks = loop_sinks(plain_program, plain_liveness)
-    base_program = sink_into_loops(plain_program, sinks)
+    base_program, sinks = sink_into_loops(plain_program, sinks)
     base_liveness = analyse(base_program) if sinks else plain_liveness
     if sinks:
       yield (base_program, base_liveness, (),

@@ -47,9 +47,9 @@ import jax.numpy as jnp
 
 from jlms import _compat, _rules
 from jlms._liveness import Liveness, aval_nbytes
-from jlms._loops import traced_call
 from jlms._names import profile_scope
 from jlms._program import Const, Equation, Program
+from jlms._retrace import traced_call
 
 # Scalars recomputed before the loop: a few equations each (Adam's bias
 # corrections are two powers and a subtraction); more means the update
