@@ -14,6 +14,10 @@ the local backend, and returns the compiler's own accounting as an
   `jax.ShapeDtypeStruct`s all measure the same. No data is ever transferred.
   Without a `topology=`, arguments sharded over devices of
   `target_devices(target, topology)` are compiled on that topology.
+  Arguments on compile-only devices of another topology (made with
+  `jax.experimental.topologies`) whose device kind is a target's are
+  compiled on the target's topology of as many hosts and GPUs per host,
+  each device taken to the one of the same host and rank there.
 - When deviceless compilation cannot work on this machine the error is a
   `DevicelessUnavailableError` whose message says what to install or set.
 - A program compiled before in this process for the same GPU target and
@@ -40,6 +44,7 @@ import re
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
@@ -348,37 +353,104 @@ def _gpu_topology(target: str, topology: str) -> topologies.TopologyDescription:
 _TOPOLOGIES_MADE: dict[str, list[str]] = {}
 
 
-def _topology_of_arguments(target: str, tree: Any) -> str:
-    """The topology of `target`, among those made, whose devices hold every
-    sharded argument of `tree`; "1x1x1" when there is none."""
+def _devices_of(tree: Any) -> set:
+    """The devices that the sharded leaves of `tree` are placed on."""
     used: set = set()
     for leaf in jax.tree.leaves(tree):
         sharding = getattr(leaf, "sharding", None)
         if isinstance(sharding, jax.sharding.Sharding):
             used |= set(sharding.device_set)
+    return used
+
+
+def _topology_of_arguments(target: str, tree: Any) -> str:
+    """The topology of `target`, among those made, whose devices hold every
+    sharded argument of `tree`; for arguments on another topology's
+    compile-only devices of `target`'s kind, the layout of those devices;
+    "1x1x1" when there is none."""
+    used = _devices_of(tree)
     if used:
         for topology in _TOPOLOGIES_MADE.get(target, ()):
             if used <= set(_gpu_topology(target, topology).devices):
                 return topology
+        if _foreign_target(used) == target:
+            return _layout(used)
     return "1x1x1"
 
 
 def target_of_arguments(tree: Any) -> str | None:
-    """The GPU target whose compile-only devices (from `target_devices`)
-    hold every sharded array of `tree`; None when they are not all on one
+    """The GPU target whose compile-only devices hold every sharded array
+    of `tree`: devices from `target_devices`, or from another topology of
+    `jax.experimental.topologies` whose device kind is the target's (an
+    H100's "NVIDIA H100 80GB HBM3"). None when they are not all on one
     target's (arrays of this machine, or no sharding at all)."""
-    used: set = set()
-    for leaf in jax.tree.leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, jax.sharding.Sharding):
-            used |= set(sharding.device_set)
+    used = _devices_of(tree)
     if not used:
         return None
     for target, made in _TOPOLOGIES_MADE.items():
         for topology in made:
             if used <= set(_gpu_topology(target, topology).devices):
                 return target
-    return None
+    return _foreign_target(used)
+
+
+@functools.cache
+def _targets_by_device_kind() -> dict[str, str]:
+    """Device kind (the `name` in a target's description) -> target."""
+    targets = {}
+    for target, file in _GPU_TARGET_FILES.items():
+        text = importlib.resources.files("jlms").joinpath("targets").joinpath(
+            file).read_text()
+        match = re.search(r'^\s*name:\s*"([^"]+)"', text, re.MULTILINE)
+        if match is not None:
+            targets[match.group(1)] = target
+    return targets
+
+
+def _is_compile_only(device: Any) -> bool:
+    """Whether `device` is none of this process's backends' devices: a
+    compile-only device of a deviceless topology."""
+    try:
+        return device not in jax.devices(device.platform)
+    except RuntimeError:  # no backend of its platform here (JAX_PLATFORMS=cpu)
+        return True
+
+
+def _foreign_target(devices: set) -> str | None:
+    """The GPU target whose device kind all `devices` have, when they are
+    compile-only devices that jlms did not make; else None (a local GPU of
+    that kind is the "local" target)."""
+    kinds = {getattr(device, "device_kind", None) for device in devices}
+    if len(kinds) != 1:
+        return None
+    target = _targets_by_device_kind().get(kinds.pop())
+    if target is None or not all(_is_compile_only(d) for d in devices):
+        return None
+    return target
+
+
+def _by_host(devices) -> list[list]:
+    """`devices` grouped by host (process index), each group by device id."""
+    hosts: dict[int, list] = {}
+    for device in sorted(devices, key=lambda d: (d.process_index, d.id)):
+        hosts.setdefault(device.process_index, []).append(device)
+    return list(hosts.values())
+
+
+def _layout(devices: set) -> str:
+    """The topology `1x<hosts>x<gpus per host>` that holds `devices`: as
+    many hosts as they are on, as many GPUs per host as the most on one."""
+    hosts = _by_host(devices)
+    return f"1x{len(hosts)}x{max(len(host) for host in hosts)}"
+
+
+def _onto(devices: set, target_devices_: list) -> dict:
+    """Each of `devices` (another topology's) -> the device of the same
+    host and rank among `target_devices_`, where there is one."""
+    mapping = {}
+    for ours, theirs in zip(_by_host(target_devices_), _by_host(devices)):
+        mapping.update(zip(theirs, ours))
+    return mapping
 
 
 def _why_no_cuda_topology() -> str:
@@ -441,16 +513,24 @@ def _names_missing_cuda_tool(message: str) -> bool:
 
 
 def _place_on_target(tree: Any, devices: list) -> Any:
-    """Abstract array leaves onto `devices[0]`, keeping target shardings."""
+    """Abstract array leaves onto `devices[0]`, keeping target shardings
+    and taking those on another topology's devices of the same kind onto
+    `devices` (`_onto`)."""
     target_devices_set = frozenset(devices)
     first_device = SingleDeviceSharding(devices[0])
+    foreign = {device for device in _devices_of(tree) - target_devices_set
+               if device.device_kind == devices[0].device_kind}
+    mapping = (_onto(foreign, devices)
+               if foreign and _foreign_target(foreign) is not None else {})
 
     def place(leaf: Any) -> Any:
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
             return leaf
         sharding = getattr(leaf, "sharding", None)
         placed_devices = getattr(sharding, "device_set", None)
-        if placed_devices is None or not placed_devices <= target_devices_set:
+        if placed_devices is not None and mapping and placed_devices <= set(mapping):
+            sharding = _remapped(sharding, mapping)
+        elif placed_devices is None or not placed_devices <= target_devices_set:
             sharding = first_device
         return jax.ShapeDtypeStruct(
             leaf.shape,
@@ -460,6 +540,22 @@ def _place_on_target(tree: Any, devices: list) -> Any:
         )
 
     return jax.tree.map(place, tree)
+
+
+def _remapped(sharding: Any, mapping: dict) -> Any:
+    """`sharding` with each device `d` replaced by `mapping[d]`; a sharding
+    of a kind not known here onto the first device it maps to."""
+    memory_kind = getattr(sharding, "memory_kind", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        mesh = sharding.mesh
+        devices = np.array([mapping[d] for d in mesh.devices.flat],
+                           dtype=object).reshape(mesh.devices.shape)
+        return jax.sharding.NamedSharding(
+            jax.sharding.Mesh(devices, mesh.axis_names,
+                              axis_types=mesh.axis_types),
+            sharding.spec, memory_kind=memory_kind)
+    first = mapping[min(sharding.device_set, key=lambda d: d.id)]
+    return SingleDeviceSharding(first, memory_kind=memory_kind)
 
 
 def _memory_of(compiled: jax.stages.Compiled, target: str) -> XlaMemory:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import topologies
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jlms import _xla_memory
 from jlms._xla_memory import (
@@ -187,6 +187,82 @@ def test_shardings_on_the_target_topology_are_kept():
     # Bytes are per device: one eighth of the array on each GPU.
     assert memory.argument_bytes == 8 * MIB
     assert memory.output_bytes == 8 * MIB
+
+
+def _other_topology(target_file, topology):
+    """Compile-only devices made with jax.experimental.topologies, as a user
+    would, not by jlms."""
+    config = (_xla_memory.importlib.resources.files("jlms")
+              .joinpath("targets").joinpath(target_file).read_text())
+    return topologies.get_topology_desc(
+        platform="cuda", target_config=config, topology=topology).devices
+
+
+def test_arguments_on_another_topologys_h100_are_an_h100():
+    [device] = _other_topology("h100.txtpb", "1x1x1")
+    assert device.device_kind == "NVIDIA H100 80GB HBM3"
+    assert device not in target_devices("h100")
+    square = jax.ShapeDtypeStruct(
+        (4096, 4096), jnp.float32, sharding=SingleDeviceSharding(device))
+
+    assert _xla_memory.target_of_arguments([square]) == "h100"
+    memory = xla_memory(matmul, square, square)
+    assert memory.target == "h100"
+    assert memory.argument_bytes == 2 * 64 * MIB
+
+
+def test_shardings_on_another_topologys_h100s_are_kept_per_device():
+    devices = _other_topology("h100.txtpb", "1x2x4")
+    mesh = Mesh(np.array(devices).reshape(2, 4), ("hosts", "gpus"))
+    tiles = jax.ShapeDtypeStruct(
+        (4096, 4096), jnp.float32,
+        sharding=NamedSharding(mesh, PartitionSpec("hosts", "gpus")))
+
+    assert _xla_memory.target_of_arguments([tiles]) == "h100"
+    memory = xla_memory(lambda x: x * 2, tiles)
+    assert memory.argument_bytes == 8 * MIB  # one eighth on each GPU
+
+
+def test_a_step_on_another_topologys_h100_is_fitted_for_an_h100():
+    import jlms
+
+    [device] = _other_topology("h100.txtpb", "1x1x1")
+    placed = SingleDeviceSharding(device)
+    w = jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=placed)
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=placed)
+
+    def step(w, x):
+        return jax.grad(lambda w: (jnp.tanh(x @ w) ** 2).sum())(w)
+
+    plan = jlms.offload(step).plan(w, x)
+    assert plan.xla_target == "h100"
+    assert plan.budget_bytes == _xla_memory.target_memory_bytes("h100")
+
+
+class _FakeGpu:
+    """A device object as jax gives one: only what target_of_arguments reads."""
+
+    platform = "gpu"
+    device_kind = "NVIDIA H100 80GB HBM3"
+    process_index = 0
+    id = 0
+
+
+def test_a_device_kind_names_its_target_only_on_compile_only_devices(
+        monkeypatch):
+    gpu = _FakeGpu()
+    monkeypatch.setattr(jax, "devices", lambda platform=None: [])
+    assert _xla_memory._foreign_target({gpu}) == "h100"
+    # A GPU of this process is the "local" target, whatever its kind.
+    monkeypatch.setattr(jax, "devices", lambda platform=None: [gpu])
+    assert _xla_memory._foreign_target({gpu}) is None
+
+
+def test_an_unknown_device_kind_is_no_target(monkeypatch):
+    gpu = _FakeGpu()
+    gpu.device_kind = "NVIDIA GeForce RTX 4090"
+    monkeypatch.setattr(jax, "devices", lambda platform=None: [])
+    assert _xla_memory._foreign_target({gpu}) is None
 
 
 def test_target_devices_are_created_once_per_topology():
