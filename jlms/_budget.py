@@ -20,12 +20,19 @@ DEFAULT_HOST_POOL_GB = 64
 
 
 class BudgetError(ValueError):
-  """The step cannot fit the memory budget, however much is offloaded."""
+  """The step cannot fit the memory budget, however much is offloaded.
 
-  __module__ = "jlms"  # tracebacks and reprs show the public name
+  Attributes:
+    smallest_bytes: the smallest device peak jlms reached (itself a budget
+      that fits), when the error comes from fitting; None when XLA refused
+      the fit.
+  """
 
-  #: The smallest device peak jlms reached (itself a budget that fits), when
-  #: the error comes from fitting; None when XLA refused the fit.
+  # Tracebacks and reprs show the public name. (autodoc then reads no `#:`
+  # comment of this module for the class: its attributes are documented
+  # in the docstring.)
+  __module__ = "jlms"
+
   smallest_bytes: int | None = None
 
 

@@ -19,9 +19,13 @@ class SyncMode(enum.IntFlag):
   freed before anything new is allocated. SWAP_IN (2): the equation a
   prefetch is issued before waits for the copy to device. BOTH (3).
   """
+  #: Transfers overlap with compute.
   NONE = 0
+  #: The equation after a swap-out waits for the copy to host.
   SWAP_OUT = 1
+  #: The equation a prefetch is issued before waits for the copy to device.
   SWAP_IN = 2
+  #: Both waits.
   BOTH = 3
 
 
@@ -87,6 +91,8 @@ class OffloadConfig:
 
   @property
   def groupby(self) -> int:
+    """`swapin_groupby` as the planner reads it: `swapout_threshold` when
+    it is None."""
     if self.swapin_groupby is None:
       return self.swapout_threshold
     return self.swapin_groupby

@@ -45,21 +45,32 @@ class OffloadedValue:
   Equation indices are positions in the flattened step (`Plan.num_equations`
   in all); `len(step)` stands for the step's outputs.
   """
-  name: str  # name stack and primitive of the producing equation
-  source: str  # file:line of the user code that made it
+  #: Name stack and primitive of the equation that makes the value.
+  name: str
+  #: file:line of the user's code that made it.
+  source: str
+  #: The value's shape.
   shape: tuple[int, ...]
+  #: The value's dtype.
   dtype: np.dtype
+  #: The value's size in bytes.
   nbytes: int
+  #: Index of the equation that makes it.
   produced_at: int
+  #: Index of the equation after which it is copied to host.
   swapped_out_after: int
-  prefetched_before: tuple[int, ...]  # one entry per swap-in
-  used_at: tuple[int, ...]  # the reads served from host copies
-  # A scan's stacked residual, moved one slice per iteration inside the
-  # loops (`produced_at` and `swapped_out_after` are then the forward scan,
-  # `prefetched_before` the scans that read it back).
+  #: Index of the equation before which each copy back to the device is
+  #: issued (or, for a recomputed value, where it is remade): one entry per
+  #: swap-in.
+  prefetched_before: tuple[int, ...]
+  #: Indices of the reads served by the copies back (or the remade value).
+  used_at: tuple[int, ...]
+  #: A scan's stacked residual, moved one slice per iteration inside the
+  #: loops (`produced_at` and `swapped_out_after` are then the forward scan,
+  #: `prefetched_before` the scans that read it back).
   streamed: bool = False
-  # Made again before its far reads instead of copied (`prefetched_before`
-  # are then where it is remade); nothing of it goes to host.
+  #: Made again before its far reads instead of copied (`prefetched_before`
+  #: are then where it is remade); nothing of it goes to host.
   recomputed: bool = False
 
   @property
@@ -71,10 +82,12 @@ class OffloadedValue:
 
   @property
   def shape_text(self) -> str:
+    """Dtype and shape as the plan shows them: 'float32[8, 256, 256, 64]'."""
     return shape_text(self.dtype, self.shape)
 
   @property
   def swap_ins(self) -> int:
+    """How many times the value comes back to the device (or is remade)."""
     return len(self.prefetched_before)
 
   @property
@@ -86,49 +99,70 @@ class OffloadedValue:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What `jlms.offload` does to one abstract signature of a step."""
+  #: TFLMS's knobs the plan was made with (`jlms.OffloadConfig`).
   config: OffloadConfig
+  #: Equations of the flattened step (forward, backward and update).
   num_equations: int
+  #: Values (arguments and equation outputs) of the flattened step.
   num_values: int
+  #: Bytes of the step's arguments (parameters, optimizer state, batch).
   argument_bytes: int
+  #: Name of the equation whose inputs and outputs take the most bytes.
   largest_equation: str
+  #: Its index in the flattened step (-1 for a step with no equation).
   largest_equation_index: int
+  #: Bytes of its inputs and outputs together.
   largest_equation_bytes: int
+  #: The values the plan copies to host, streams through host or
+  #: recomputes, one `jlms.OffloadedValue` each.
   offloaded: tuple[OffloadedValue, ...] = dataclasses.field(repr=False)
-  # The simulator's view of one step (see `jlms._simulator`): device and
-  # host bytes per equation without offloading and with this plan.
+  #: The simulator's device and host bytes per equation without
+  #: offloading (`plot` draws it); None where no simulation was made.
   baseline: MemoryTimeline | None = dataclasses.field(default=None,
                                                        repr=False)
+  #: The same with this plan.
   timeline: MemoryTimeline | None = dataclasses.field(default=None,
                                                        repr=False)
-  # (value, bytes) of the 20 largest values alive at the predicted peak.
+  #: (value, bytes) of the 20 largest values alive at the predicted peak.
   live_at_peak: tuple[tuple[str, int], ...] = dataclasses.field(
       default=(), repr=False)
+  #: The device budget fitted, in bytes per device; None under TFLMS's
+  #: knobs, for `budget="min"` and where there was no device to fit.
   budget_bytes: int | None = None
-  xla_peak_bytes: int | None = None  # XLA's peak of the chosen program
+  #: XLA's device peak of the chosen program, compiled for `xla_target`;
+  #: None where XLA was not asked.
+  xla_peak_bytes: int | None = None
+  #: The target XLA compiled the program for to measure `xla_peak_bytes`.
   xla_target: str | None = None
-  serialized: int = 0  # equations chained by `serialize`
-  # The time model's view (see `jlms._schedule`) on `time_target`: a
-  # callable giving the predicted (jax.jit's, this plan's) `StepTime`s,
-  # evaluated when first asked for (a training loop never asks).
+  #: Equations chained by barriers (`serialize`).
+  serialized: int = 0
+  #: A callable giving the time model's predicted (jax.jit's, this plan's)
+  #: step times on `time_target`, evaluated when first asked for by
+  #: `baseline_step_time` or `step_time` (a training loop never asks).
   step_times: Callable[[], tuple[StepTime, StepTime]] | None = (
       dataclasses.field(default=None, repr=False, compare=False))
+  #: The GPU whose time model predicts the step times.
   time_target: str | None = None
-  # Chosen by `jlms._fit` for a budget, rather than by TFLMS's knobs.
+  #: Whether the plan was chosen for a budget, rather than by TFLMS's knobs.
   fitted: bool = False
-  # Why a plan that was made runs as jax.jit's program instead (it would
-  # not lower the peak); None when it is applied or none was sought.
+  #: Why a plan that was made runs as jax.jit's program instead (it would
+  #: not lower the peak); None when it is applied or none was sought.
   not_applied: str | None = None
-  # Where the step takes each argument from and gives each output back
-  # (`jlms._state`): pytrees shaped like its dynamic arguments (a pair
-  # with the keywords' when it has some) and its outputs, each leaf
-  # "device" or "pinned_host". None before the arguments are known.
+  #: Where the step takes each argument from: a pytree shaped like its
+  #: dynamic arguments (a pair with the keywords' when it has some), each
+  #: leaf "device" or "pinned_host". None before the arguments are known.
   argument_kinds: Any = dataclasses.field(default=None, repr=False)
+  #: Where the step gives each output back: a pytree shaped like its
+  #: outputs, each leaf "device" or "pinned_host".
   output_kinds: Any = dataclasses.field(default=None, repr=False)
-  state_leaves: int = 0  # state leaves kept on host between steps
-  # State leaves whose update runs inside the loop that makes their
-  # gradients (so that no gradient stack of them is made).
+  #: State leaves (parameters, optimizer state) kept in pinned host memory
+  #: between steps.
+  state_leaves: int = 0
+  #: State leaves whose update runs inside the loop that makes their
+  #: gradients (so that no gradient stack of them is made).
   state_updated_in_loops: int = 0
-  state_host_bytes: int = 0  # their bytes
+  #: Bytes of the state leaves kept on host.
+  state_host_bytes: int = 0
 
   @functools.cached_property
   def _predicted_times(self) -> tuple[StepTime | None, StepTime | None]:
@@ -188,6 +222,7 @@ class Plan:
 
   @property
   def host_traffic_bytes(self) -> int:
+    """Bytes over the host link in one step, both ways."""
     return self.offloaded_bytes + self.prefetched_bytes
 
   def largest_offloaded(self) -> tuple[OffloadedValue, ...]:

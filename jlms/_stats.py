@@ -38,17 +38,29 @@ class MemoryStats:
 
   Each count is an int, or None where the backend does not report it.
   """
+  #: The device, as `str(device)` names it.
   device: str
+  #: Its platform: "gpu", "cpu", ...
   platform: str
+  #: Bytes the allocator holds now (TFLMS's `get_bytes_in_use`).
   bytes_in_use: int | None
+  #: The most bytes it has held at once (`get_peak_bytes_in_use`).
   peak_bytes_in_use: int | None
+  #: Allocations made (`get_num_allocs`).
   num_allocs: int | None
+  #: The largest single allocation, in bytes (`get_largest_alloc_size`).
   largest_alloc_size: int | None
+  #: The bytes the allocator may hold at most (`get_bytes_limit`).
   bytes_limit: int | None
-  host_bytes_in_use: int | None  # pinned host memory
+  #: Pinned host memory in use, in bytes (None up to JAX 0.11.1 at least:
+  #: see the module's guarantees).
+  host_bytes_in_use: int | None
+  #: The most pinned host memory in use at once, in bytes.
   host_peak_bytes_in_use: int | None
-  reported: bool  # whether any of the counts above is known
-  raw: dict = dataclasses.field(hash=False)  # the backend's dict, copied
+  #: Whether any of the counts above is known.
+  reported: bool
+  #: The backend's own dict, copied.
+  raw: dict = dataclasses.field(hash=False)
 
   @property
   def bytes_free(self) -> int | None:

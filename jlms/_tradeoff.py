@@ -16,21 +16,32 @@ from jlms._units import format_bytes
 @dataclasses.dataclass(frozen=True)
 class TradeoffPoint:
   """The fastest fit of one budget; `step_time` is None when none fits."""
+  #: The budget fitted, in bytes per device.
   budget_bytes: int
+  #: The simulator's device peak of the fit; None when none fits.
   predicted_peak_bytes: int | None
+  #: The time model's predicted step time of the fit; None when none fits.
   step_time: StepTime | None
-  recomputed: int  # values remade before their far reads
-  copied: int  # values copied to host and back
-  streamed: int  # scan residuals moved through host inside the loops
+  #: Values remade before their far reads.
+  recomputed: int
+  #: Values copied to host and back.
+  copied: int
+  #: Scan residuals moved through host inside the loops.
+  streamed: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Tradeoff:
   """Fits of several budgets for one step, with jax.jit's for reference."""
+  #: One `jlms.TradeoffPoint` per budget, in the order they were fitted.
   points: tuple[TradeoffPoint, ...]
-  jit_peak_bytes: int  # predicted peak of jax.jit's program
+  #: The simulator's device peak of jax.jit's program.
+  jit_peak_bytes: int
+  #: The time model's predicted step time of jax.jit's program.
   jit_step_time: StepTime
-  least_bytes: int  # the smallest peak jlms reaches
+  #: The smallest predicted peak jlms reaches.
+  least_bytes: int
+  #: The GPU whose time model predicts the times.
   target: str
 
   def __str__(self) -> str:

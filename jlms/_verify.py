@@ -29,9 +29,13 @@ class OffloadIneffectiveWarning(UserWarning):
 @dataclasses.dataclass(frozen=True)
 class MemoryComparison:
   """XLA's memory of a step compiled by `jax.jit` and by `jlms.offload`."""
+  #: What both programs were compiled for.
   target: str
+  #: jlms's plan of the step for these arguments.
   plan: Plan
+  #: XLA's memory of `jax.jit`'s program.
   baseline: XlaMemory
+  #: XLA's memory of jlms's program.
   offloaded: XlaMemory
 
   @property
@@ -41,6 +45,9 @@ class MemoryComparison:
 
   @property
   def problems(self) -> tuple[str, ...]:
+    """What shows the offload ineffective, one sentence each: values the
+    plan copies to host that XLA's program keeps on the device, a device
+    peak that did not go down. Empty when there is none."""
     found = []
     # Recomputed values are remade on the device: none is meant for host.
     copied = [v for v in self.plan.offloaded if not v.recomputed]

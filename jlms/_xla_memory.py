@@ -93,17 +93,29 @@ _SET_PLATFORMS_ADVICE = (
 class XlaMemory:
     """XLA's memory accounting of one compiled program, in bytes per device."""
 
+    #: What the program was compiled for: "h100", "h200", "a100" or "local".
     target: str
+    #: Device bytes of the arguments.
     argument_bytes: int
+    #: Device bytes of the outputs.
     output_bytes: int
+    #: Bytes of donated arguments whose buffers XLA reuses for outputs.
     alias_bytes: int
+    #: Device bytes of the temporaries (XLA's scheduled temp allocation).
     temp_bytes: int
+    #: Bytes of arguments taken from host memory.
     host_argument_bytes: int
+    #: Bytes of outputs given back in host memory.
     host_output_bytes: int
+    #: Bytes of temporaries in host memory (values offloaded in the step).
     host_temp_bytes: int
+    #: Bytes of the compiled code.
     generated_code_bytes: int
+    #: Values the optimized HLO brings into host memory (space S(5)), each
+    #: counted where it enters it.
     host_offloaded_buffers: int
-    # The optimized HLO of the compile; kept for inspection, too long to print.
+    #: The optimized HLO of the compile; kept for inspection, too long to
+    #: print.
     hlo_text: str = dataclasses.field(default="", repr=False, compare=False)
 
     @property

@@ -8,12 +8,26 @@ build itself runs in .ci/run).
 """
 
 import ast
+import importlib.util
 import pathlib
 import re
+import subprocess
+import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 INIT = ROOT / "jlms" / "__init__.py"
 API = ROOT / "docs" / "api.rst"
+
+def _docs_script(name: str):
+  """The module docs/`name`.py (docs/ is no package)."""
+  spec = importlib.util.spec_from_file_location(
+      f"docs_{name}", ROOT / "docs" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
 
 _DIRECTIVE = re.compile(
     r"^\.\. auto(?:function|class|exception|data|attribute)::\s+jlms\.(\w+)\s*$",
@@ -50,3 +64,42 @@ def test_every_public_name_has_a_reference_entry():
 def test_reference_names_only_what_jlms_exports():
   stale = sorted(documented_names() - public_names())
   assert not stale, f"docs/api.rst documents jlms.{stale}, not exported"
+
+
+
+
+_PAGE = """
+<dl class="py class"><dt class="sig sig-object py" id="jlms.Plan">Plan</dt>
+<dd><p>What jlms.offload does.</p>
+<dl class="py attribute"><dt class="sig sig-object py" id="jlms.Plan.fitted">
+fitted<em>: bool</em></dt><dd></dd></dl>
+<dl class="py attribute"><dt class="sig sig-object py" id="jlms.Plan.config">
+config</dt><dd><p>TFLMS's knobs.</p></dd></dl>
+</dd></dl>
+<dl class="py class"><dt class="sig sig-object py" id="jlms.Tradeoff">Tradeoff</dt>
+<dd><dl class="py attribute"><dt class="sig sig-object py" id="jlms.Tradeoff.target">
+target</dt><dd><p>The GPU.</p></dd></dl></dd></dl>
+"""
+
+
+def test_the_reference_check_finds_entries_without_text_of_their_own():
+  check = _docs_script("check_reference")
+  assert set(check.entries(_PAGE)) == {
+      "jlms.Plan", "jlms.Plan.fitted", "jlms.Plan.config", "jlms.Tradeoff",
+      "jlms.Tradeoff.target"}
+  # A class whose members alone have text is empty itself.
+  assert check.empty_entries(_PAGE) == ["jlms.Plan.fitted", "jlms.Tradeoff"]
+
+
+@pytest.mark.slow
+def test_the_built_reference_has_no_empty_entry(tmp_path):
+  for module in ("sphinx", "myst_nb", "furo"):
+    pytest.importorskip(module, reason='the docs extra: pip install -e ".[docs]"')
+  built = subprocess.run(
+      [sys.executable, "-m", "sphinx", "-q", "-b", "html", str(ROOT / "docs"),
+       str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+  assert built.returncode == 0, built.stderr
+  check = _docs_script("check_reference")
+  page = (tmp_path / "api.html").read_text(encoding="utf-8")
+  assert len(check.entries(page)) > 100
+  assert check.empty_entries(page) == []
