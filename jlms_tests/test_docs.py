@@ -103,3 +103,42 @@ def test_the_built_reference_has_no_empty_entry(tmp_path):
   page = (tmp_path / "api.html").read_text(encoding="utf-8")
   assert len(check.entries(page)) > 100
   assert check.empty_entries(page) == []
+
+
+def test_the_figures_script_leaves_the_committed_pictures_unless_asked(
+    monkeypatch, tmp_path):
+  figures = _docs_script("figures")
+  drawn = []
+  monkeypatch.setattr(figures, "draw", drawn.append)  # no model planned
+  figures.main([])
+  [folder] = drawn
+  static = ROOT / "docs" / "_static"
+  assert folder.resolve() != static.resolve()
+  assert not folder.resolve().is_relative_to(ROOT)
+  asked = tmp_path / "pictures"
+  figures.main(["--out", str(asked)])
+  assert drawn[1] == asked and asked.is_dir()
+
+
+#: A notebook command the docs may name -> what a `pip install` beside it
+#: must name for the command to exist.
+_NOTEBOOK_COMMANDS = {"jupyter nbconvert": ("nbconvert",),
+                      "jupyter execute": ("nbclient", ".[test]")}
+
+
+def _paragraphs_naming(command: str):
+  for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for paragraph in re.split(r"\n\s*\n", path.read_text()):
+      if command in " ".join(paragraph.split()):
+        yield path.name, paragraph
+
+
+def test_the_docs_say_how_to_install_each_notebook_command_they_name():
+  unexplained = [
+      (name, command) for command, packages in _NOTEBOOK_COMMANDS.items()
+      for name, paragraph in _paragraphs_naming(command)
+      if "pip install" not in paragraph
+      or not any(package in paragraph for package in packages)]
+  assert not unexplained, f"named without its install: {unexplained}"
+  assert any(_paragraphs_naming("jupyter execute")), (
+      "the docs no longer say how to run the notebook again")
