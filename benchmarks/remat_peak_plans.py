@@ -25,7 +25,7 @@ It prints, for the H100 (deviceless):
   remade where the relu output is first read. This is what the floor's
   count suggests (a block input costs three reads and writes to remake,
   the others two). It is handed to jlms's own rewrite and compile in place
-  of the fit's choice (`jlms._offload.fit` is swapped for the length of the
+  of the fit's choice (`jlms._search.fit` is swapped for the length of the
   call), so XLA compiles it exactly as it compiles any plan.
 
 Results: `benchmarks/results/remat_peak_plans_h100.json`.
@@ -42,7 +42,7 @@ import jax
 
 import jlms
 from jlms import _fit
-from jlms import _offload
+from jlms import _search
 from benchmarks import frontier, frontier_cases
 from benchmarks._output import write_json
 
@@ -112,7 +112,7 @@ def hand_built(problem: _fit._Problem, keep_last: int) -> list:
 def fit_replaced_by(choose):
   """jlms's fit, for the length of the block, returns `choose(problem)`'s
   offloads instead of its own, priced as the fit prices its own."""
-  real = _offload.fit
+  real = _search.fit
 
   def fit(program, liveness, budget_bytes, target, min_bytes=1 << 20,
           fusion=None, residuals=(), host_budget_bytes=None,
@@ -127,11 +127,11 @@ def fit_replaced_by(choose):
                     problem.step_time(offloads), problem.step_time(()),
                     budget_bytes, time.perf_counter() - started)
 
-  _offload.fit = fit
+  _search.fit = fit
   try:
     yield
   finally:
-    _offload.fit = real
+    _search.fit = real
 
 
 def _compiled(step, args, yardstick) -> dict:

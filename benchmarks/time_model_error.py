@@ -57,8 +57,9 @@ import numpy as np
 
 import jlms
 from jlms import _cost
-from jlms._offload import _Analysed
+from jlms._analysed import AnalysedProgram
 from jlms._placement import place_fused_at_readers
+from jlms._program import flatten
 from benchmarks import frontier, frontier_cases
 from benchmarks._output import write_json
 
@@ -118,16 +119,16 @@ def case_of(model: str, config: str):
   return _FACTORIES[model](config == "remat")
 
 
-def placed_program(case) -> _Analysed:
+def placed_program(case) -> AnalysedProgram:
   """The step as jax.jit runs it, analysed and with fused equations placed
   at their readers: what the time model prices."""
-  step = jlms.offload(case.step, budget="1TiB")
-  plain = step._analysis(case.abstract_args(), {})[0].plain
-  return _Analysed.of(place_fused_at_readers(plain.program, plain.liveness,
-                                             plain.fusion))
+  plain = AnalysedProgram.of(flatten(jax.make_jaxpr(jax.jit(case.step))(
+      *case.abstract_args())))
+  return AnalysedProgram.of(place_fused_at_readers(
+      plain.program, plain.liveness, plain.fusion))
 
 
-def predicted_ms(placed: _Analysed, efficiency: dict,
+def predicted_ms(placed: AnalysedProgram, efficiency: dict,
                  target: str = "h100") -> float:
   """jlms's predicted time of the program with these kernel efficiencies."""
   gpu = dataclasses.replace(_cost.TARGETS[target],

@@ -324,7 +324,7 @@ def _offloaded(step, budget: str | None, target: str, host_budget):
     return OffloadedStep(
         step.__wrapped__, step.config, **step.jit_options, **options,
         budget=step.budget if budget is None else budget,
-        min_bytes_given=step._fit_min_bytes,
+        min_bytes_given=step.min_bytes,
         host_budget=step.host_budget if host_budget is None else host_budget)
   return offload(step, budget=DEVICE if budget is None else budget,
                  host_budget=host_budget, **options)

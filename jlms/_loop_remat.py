@@ -31,7 +31,7 @@ from jlms._liveness import Liveness
 from jlms._loops import find_scan_residuals
 from jlms._names import profile_scope
 from jlms._config import OffloadConfig
-from jlms._program import Const, Equation, Program
+from jlms._program import Equation, Program
 from jlms._retrace import atom_aval, traced_call
 
 

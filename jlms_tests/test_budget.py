@@ -351,20 +351,20 @@ def test_a_plan_xla_refuses_is_searched_again_in_every_way_the_loops_run():
 
 
 def test_room_xla_leaves_under_the_budget_is_fitted_once_more():
-  from jlms._offload import _relaxed_search
+  from jlms._search import relaxed_search
   gib = 1 << 30
   # The ResNet's halfway plan (JAX 0.10.2): the simulator predicted 5.657
   # GiB, XLA measured 5.533 against a 5.689 GiB budget. 2.8% unused is
   # worth one more fit, for the simulator's bytes scaled by its ratio to
   # XLA's, less a tenth: a plan remaking a 128 MiB value fewer.
-  relaxed = _relaxed_search(int(5.657 * gib), int(5.533 * gib),
+  relaxed = relaxed_search(int(5.657 * gib), int(5.533 * gib),
                             int(5.689 * gib))
   assert 5.78 * gib < relaxed < 5.82 * gib
   # Under 1% unused: not worth a compile.
-  assert _relaxed_search(int(2.689 * gib), int(2.700 * gib),
+  assert relaxed_search(int(2.689 * gib), int(2.700 * gib),
                          int(2.720 * gib)) is None
   # A simulator that undershoots (XLA above its prediction) is scaled too.
-  assert _relaxed_search(100, 110, 120) == 100 + int(0.9 * 100 * (120 / 110 - 1))
+  assert relaxed_search(100, 110, 120) == 100 + int(0.9 * 100 * (120 / 110 - 1))
 
 
 @pytest.mark.slow  # two budgets fitted and run: 5 s on JAX 0.12

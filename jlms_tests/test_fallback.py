@@ -10,7 +10,7 @@ import pytest
 from jax.extend.core import Primitive
 
 import jlms
-from jlms import _offload
+from jlms import _analysed
 from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
 
 EAGER = dict(min_bytes=1, swapout_threshold=4)
@@ -67,7 +67,7 @@ def _calls_warning_once(step, args, times=3):
 @pytest.mark.parametrize("options", [EAGER, dict(budget="min")],
                          ids=["knobs", "fitted"])
 def test_a_failed_rewrite_runs_jax_jit_with_one_warning(monkeypatch, options):
-  monkeypatch.setattr(_offload, "rewrite", _rewrite_raising)
+  monkeypatch.setattr(_analysed, "rewrite", _rewrite_raising)
   args = _args()
   outputs, fallbacks = _calls_warning_once(jlms.offload(_step, **options), args)
   assert max_relative_error(outputs, jax.jit(_step)(*args)) <= F32_TOLERANCE
@@ -79,7 +79,7 @@ def test_a_failed_rewrite_runs_jax_jit_with_one_warning(monkeypatch, options):
 
 
 def test_a_failed_rewrite_raises_with_strict(monkeypatch):
-  monkeypatch.setattr(_offload, "rewrite", _rewrite_raising)
+  monkeypatch.setattr(_analysed, "rewrite", _rewrite_raising)
   step = jlms.offload(_step, strict=True, **EAGER)
   with pytest.raises(jlms.OffloadError, match="strict=True") as info:
     step(*_args())
@@ -98,7 +98,7 @@ def test_a_failed_rewrite_raises_where_the_budget_needs_the_plan(monkeypatch):
   # step as it is to ask XLA about it first: that rewrite fails.)
   budget = (predicted.least_bytes + predicted.jit_peak_bytes) // 2
   assert predicted.least_bytes < budget < predicted.jit_peak_bytes
-  monkeypatch.setattr(_offload, "rewrite", _rewrite_raising)
+  monkeypatch.setattr(_analysed, "rewrite", _rewrite_raising)
   with pytest.raises(jlms.OffloadError, match="budget") as info:
     jlms.offload(_step, budget=budget)(*args)
   assert "injected rewrite failure" in str(info.value.__cause__)
@@ -109,7 +109,7 @@ def test_a_target_this_machine_cannot_compile_for_is_not_fallen_back_from(
   def no_toolchain(*args, **kwargs):
     raise jlms.DevicelessUnavailableError("Compiling for 'h100' needs ptxas")
 
-  monkeypatch.setattr(_offload, "xla_memory", no_toolchain)
+  monkeypatch.setattr(_analysed, "xla_memory", no_toolchain)
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # no FallbackWarning
     with pytest.raises(jlms.DevicelessUnavailableError, match="ptxas"):
@@ -118,8 +118,8 @@ def test_a_target_this_machine_cannot_compile_for_is_not_fallen_back_from(
 
 def test_a_program_xla_cannot_compile_runs_jax_jit_with_one_warning(
     monkeypatch):
-  monkeypatch.setattr(_offload, "rewrite",
-                      _rewrite_unlowerable(_offload.rewrite))
+  monkeypatch.setattr(_analysed, "rewrite",
+                      _rewrite_unlowerable(_analysed.rewrite))
   args = _args()
   step = jlms.offload(_step, **EAGER)
   outputs, fallbacks = _calls_warning_once(step, args)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jlms
+from jlms import _search
 from jlms._units import format_bytes
 from jlms_tests import test_properties as properties
 from jlms_tests._step_strategies import StepSpec, build
@@ -115,8 +116,8 @@ def test_a_sensitive_bfloat16_step_agrees_within_jax_jits_own_rounding(
   # finds this plan's peak no lower than jax.jit's (4.06 MiB both on an
   # H100), so on a GPU it would not be applied, and the rounding it shows
   # would go untested.
-  monkeypatch.setattr(jlms.OffloadedStep, "_confirm_target",
-                      lambda self, leaves=(): None)
+  monkeypatch.setattr(_search, "confirm_target",
+                      lambda options, leaves=(), on_gpu=False: None)
   stepper = drawn.offload(budget="min", min_bytes=1)
   args, kwargs = drawn.abstract_args()
   plan = stepper.plan(*args, **kwargs)

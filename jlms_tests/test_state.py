@@ -29,7 +29,7 @@ from benchmarks import zoo
 
 STEPS = 3
 # The test models' state leaves are KiB: those of this many bytes and more
-# go to host (by default 64 KiB, `jlms._offload._STATE_MIN_BYTES`).
+# go to host (by default 64 KiB, `jlms._search._STATE_MIN_BYTES`).
 _LEAF = 4096
 
 

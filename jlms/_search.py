@@ -1,0 +1,613 @@
+"""The budget search: the fastest plan of a step that fits its budget.
+
+`fit_budget(request)` takes one traced signature of a step (a
+`SearchRequest`: the step analysed, its arguments, what the user asked)
+and returns the `PlannedStep` that runs. In order:
+
+1. The budget in bytes and where XLA confirms it (`confirm_target`).
+2. The ways of placing the step's state (`state_levels`): on the device as
+   it is, with its updates inside the loops that make their gradients,
+   the optimizer's moments on host in steps, all of it on host.
+3. For each, until one fits (`_search_levels`): the fastest fit of every
+   way its loops can run (`fastest_fit`, over `jlms._variants`), chosen
+   per value by `jlms._fit` with the simulator and the time model;
+4. confirmed by XLA's deviceless compile, and fitted again for a
+   proportionally tighter budget while XLA's peak does not fit, at most
+   `CONFIRMATIONS` compiles (`_confirmed`).
+
+A step that fits as it is stays `jax.jit`'s program. Raises `BudgetError`
+where nothing fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from jlms._analysed import (AnalysedProgram, PlanNeeded, PlannedStep, as_is,
+                            predict_times, rewrite_program,
+                            rewrite_with_and_without_copies, serialized,
+                            xla_peak)
+from jlms._budget import BudgetError, host_pool_bytes, parse_budget
+from jlms._config import OffloadConfig, SyncMode
+from jlms._cost import time_target
+from jlms._fit import fit
+from jlms._liveness import aval_nbytes
+from jlms._plan import build_plan
+from jlms._progress import Progress
+from jlms._sharding import abstract_arguments, unseen_split
+from jlms._state import HostState, host_state, state_pairs
+from jlms._units import format_bytes
+from jlms._variants import WayCache, placed_ways
+from jlms._xla_memory import (DevicelessUnavailableError, target_memory_bytes,
+                              target_of_arguments)
+
+log = logging.getLogger("jlms")
+
+# What `budget` can be besides bytes or a size: TFLMS's knobs apply as given
+# (`KNOBS`, when knobs are passed and no budget), fit the memory of the
+# device the step is compiled for (`DEVICE`, the default), or use as little
+# device memory as jlms can reach (`MINIMUM`).
+KNOBS = "knobs"
+DEVICE = "device"
+MINIMUM = "min"
+#: XLA compiles of a plan at most (after the step as it is).
+CONFIRMATIONS = 2
+# A plan whose XLA peak leaves more than this share of the budget unused is
+# fitted once more with that room, and the new plan is taken if XLA says it
+# fits and it is faster by more than `_FASTER_BY` (a compile buys a step
+# time that every step then saves).
+_UNUSED_ROOM = 0.01
+_FASTER_BY = 0.001
+# For the least memory, ways whose predicted peak is within this factor of
+# the smallest count as reaching it: the fastest of them is chosen.
+_LEAST_PEAK_SLACK = 1.01
+# Under a budget, the optimizer's moments go to host in steps of this share
+# of their bytes, the largest leaves first, until the plan fits.
+_STATE_LEVEL_SHARE = 0.125
+# A state leaf is worth a copy of its own from 64 KiB (each copy costs a
+# transfer's latency, about 10 us).
+_STATE_MIN_BYTES = 64 << 10
+# Failures that are the user's to act on, never hidden by running jax.jit's
+# program instead: a budget that cannot be met, a GPU target this machine
+# cannot compile for (the error says what to install).
+NOT_FALLEN_BACK_FROM = (BudgetError, DevicelessUnavailableError)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+  """What the user asked of every fit of a step (`jlms.offload`'s
+  arguments)."""
+  config: OffloadConfig
+  budget: Any  # KNOBS, DEVICE, MINIMUM, or bytes or a size
+  target: str | None
+  min_bytes: int | None  # the `min_bytes` knob, if given
+  host_budget: Any
+  state_on_host: bool | None
+  name: str  # the step's, for messages
+
+  def budget_bytes(self, target: str | None) -> int | None:
+    """The budget in bytes per device; None for "as little as jlms can"
+    or when there is no device to fit (a CPU and no target named)."""
+    if self.budget is MINIMUM:
+      return None
+    if self.budget is DEVICE:
+      if target is None:
+        return None
+      return target_memory_bytes(target)
+    return parse_budget(self.budget,
+                        lambda: target_memory_bytes(target or "local"))
+
+  def host_budget_bytes(self, local: bool) -> int:
+    """Pinned host memory the plan may hold at once, per device:
+    `host_budget` if given, else XLA's pinned pool for each GPU
+    (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` GiB, 64 by default), and on a
+    `local` GPU never more than the memory this machine has available."""
+    if self.host_budget is not None:
+      return parse_budget(self.host_budget)
+    limit = host_pool_bytes()
+    if local:
+      try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        limit = min(limit, available)
+      except (ValueError, OSError):  # not reported on this system
+        pass
+    return limit
+
+  def min_bytes_for(self, budget: int | None) -> int:
+    """The smallest value worth a choice: the `min_bytes` knob if given,
+    else a 65536th of the budget (at least 4 KiB): smaller values cannot
+    change whether a step fits, only slow the search."""
+    if self.min_bytes is not None:
+      return self.min_bytes
+    return max(4096, (budget or 0) >> 16)
+
+
+def confirm_target(options: SearchOptions, leaves=(),
+                   on_gpu: bool = False) -> str | None:
+  """Where XLA confirms a budget: the named target, else (for the
+  device's memory) the GPU target whose compile-only devices the
+  arguments `leaves` are placed on, else the local GPU (`on_gpu`), else
+  nowhere (a CPU has no GPU compiler to ask)."""
+  if options.target is not None:
+    return options.target
+  placed_on = (target_of_arguments(leaves) if options.budget is DEVICE
+               else None)
+  if placed_on is not None:
+    return placed_on
+  return "local" if on_gpu else None
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchRequest:
+  """One traced signature of a step, to fit."""
+  options: SearchOptions
+  plain: AnalysedProgram  # the step as traced
+  baseline: Any  # the simulator's timeline of jax.jit's program
+  jit_params: dict
+  debug_info: Any
+  leaves: tuple  # the call's dynamic leaves (arrays or abstract)
+  out_trees: list
+  donated: tuple = ()  # positions of the donated leaves
+  arrived_on_host: tuple = ()  # positions of leaves in pinned host memory
+  ways: WayCache = dataclasses.field(default_factory=WayCache)
+  progress: Progress = dataclasses.field(
+      default_factory=lambda: Progress("the step"))
+  on_gpu: bool = False  # jax's default backend is a GPU
+  # Filled by `fit_budget`: where XLA confirms, the budget, the arguments.
+  target: str | None = None
+  budget: int | None = None
+  abstract: tuple = ()
+  avals: tuple = ()
+
+  @property
+  def time(self):
+    """The time model the fit prices plans with."""
+    return time_target(self.options.target)
+
+  def as_is(self, budget, xla, reason=None) -> PlannedStep:
+    """jax.jit's program, with its plan."""
+    return as_is(self.plain, self.baseline, self.jit_params, self.debug_info,
+                 self.out_trees, self.options.config, self.time, budget, xla,
+                 reason)
+
+  def xla_peak(self, rewritten, host_inputs=()) -> int:
+    """XLA's peak on the request's target of `rewritten`."""
+    self.progress.stage(f"XLA compiling a program for {self.target}")
+    return xla_peak(self.jit_params, rewritten, self.abstract, self.target,
+                    self.donated, host_inputs)
+
+
+def fit_budget(request: SearchRequest) -> PlannedStep:
+  """The fastest plan whose peak fits the budget (see the module
+  docstring). The budget is per device: XLA compiles the step with the
+  shardings of the request's leaves."""
+  options, plain = request.options, request.plain
+  target = confirm_target(options, request.leaves, request.on_gpu)
+  budget = options.budget_bytes(target)
+  if options.budget is DEVICE and budget is None:
+    log.info("jlms: no GPU here and no target named: the step runs as "
+             "jax.jit's program")
+    return request.as_is(None, None)
+  avals = tuple(plain.program.avals[v] for v in plain.program.invars)
+  request = dataclasses.replace(
+      request, target=target, budget=budget, avals=avals,
+      abstract=tuple(abstract_arguments(list(avals), request.leaves)))
+  log.info("jlms: the step has %d equations and %d values; its arguments "
+           "take %s", len(plain.program), len(plain.program.avals),
+           format_bytes(sum(plain.liveness.nbytes[v]
+                            for v in plain.program.invars)))
+  levels = state_levels(request)
+  if levels[0].state:  # asked for, or the least memory: never as it is
+    return _search_levels(request, levels, None)
+  baseline = request.baseline
+  plain_peak = None
+  if budget is not None and baseline.peak_bytes <= budget and target is None:
+    log.info("jlms: the step fits %s as it is (predicted %s); nothing is "
+             "rewritten", format_bytes(budget),
+             format_bytes(baseline.peak_bytes))
+    return request.as_is(budget, None)
+  if budget is not None and target is not None:
+    # The simulator can be off either way: ask XLA before offloading.
+    plain_peak = _plain_xla_peak(request)
+    log.info("jlms: XLA's peak on %s without offloading: %s", target,
+             format_bytes(plain_peak))
+    if plain_peak <= budget:
+      log.info("jlms: the step fits %s as it is; nothing is rewritten",
+               format_bytes(budget))
+      return request.as_is(budget, (plain_peak, target))
+  return _search_levels(request, levels, plain_peak)
+
+
+def _plain_xla_peak(request: SearchRequest) -> int:
+  """XLA's peak of jax.jit's program (as jlms stages it) on the target."""
+  plain = request.plain
+  rewritten, _ = rewrite_program(plain.program, plain.liveness, (),
+                                 request.options.config, request.debug_info,
+                                 plain.fusion)
+  return request.xla_peak(rewritten)
+
+
+def _search_levels(request: SearchRequest, levels, plain_peak
+                   ) -> PlannedStep:
+  """`_search_budget` for each way of placing the state (`levels`, all
+  on the device first, then the optimizer's moments on host, then all of
+  it), until one fits; the budget's error if none does."""
+  budget = request.budget
+  refused_for_host = None
+  for number, plain in enumerate(levels):
+    last = number == len(levels) - 1
+    try:
+      planned = _search_budget(dataclasses.replace(request, plain=plain),
+                               plain_peak, ask_xla_when_refused=last)
+      break
+    except BudgetError as error:
+      if hasattr(error, "host_bytes"):
+        # Where only host memory is short, the way that needs the least
+        # of it says what to set.
+        if (refused_for_host is None
+            or error.host_bytes < refused_for_host.host_bytes):
+          refused_for_host = error
+      if last:
+        if refused_for_host is not None and hasattr(error, "host_bytes"):
+          raise refused_for_host from None
+        raise
+      following = levels[number + 1].state
+      if following:
+        log.info("jlms: %s; trying with %d state leaves (%s) on host",
+                 error, len(following.inputs),
+                 format_bytes(_state_bytes(levels[number + 1])))
+      else:
+        log.info("jlms: %s; trying with the state's updates inside the "
+                 "loops that make their gradients", error)
+    except NOT_FALLEN_BACK_FROM:
+      raise
+    except Exception as error:
+      # A pass failed on this placement of the state (the update fused
+      # into a loop, the state streamed): the next placement may need no
+      # such pass. Only where none is left does the step fall back.
+      if last:
+        if budget is None:
+          raise
+        raise PlanNeeded(budget) from error
+      log.debug("jlms: placing the state as level %d of %d failed (%s: %s); "
+                "trying the next", number + 1, len(levels),
+                type(error).__name__, error)
+  # The step does not fit the budget as it is: jax.jit's program won't do.
+  return dataclasses.replace(planned, needs_plan=budget is not None)
+
+
+def state_levels(request: SearchRequest) -> list:
+  """The ways to place the step's state that `_search_levels` tries, as
+  the step's analysis with that `state`: the state on the device, as it
+  is and then with its updates inside the loops that make their gradients
+  (for the least memory, only the latter), unless `state_on_host` says
+  otherwise; all of it on host when asked for, or for the least
+  memory."""
+  plain, options, budget = request.plain, request.options, request.budget
+  if not request.donated:
+    return [plain]
+  program, liveness = plain.program, plain.liveness
+  pairs = state_pairs(program, request.donated)
+  if not pairs:
+    return [plain]
+  # All of the state on the device, its updates run inside the loops that
+  # make their gradients where they can (`jlms._state`): their gradient
+  # stacks are then never made. Tried after the step as it is, since
+  # where that fits the fused loops only cost time (a little, for the
+  # in-place writes); for the least memory, instead of it.
+  fused = dataclasses.replace(plain, state=HostState((), (), pairs))
+  on_device = [fused] if budget is None else [plain, fused]
+  if options.state_on_host is False:
+    return on_device
+  on_host = [(i, o) for i, o in pairs if i in request.arrived_on_host]
+  if on_host:  # placed there (by `place`, or by a step): they stay
+    return [dataclasses.replace(plain, state=HostState(
+        tuple(i for i, _ in on_host), tuple(o for _, o in on_host),
+        tuple(p for p in pairs if p not in on_host)))]
+  least = (options.min_bytes if options.min_bytes is not None
+           else max(options.min_bytes_for(budget), _STATE_MIN_BYTES))
+  everything = host_state(program, liveness, pairs, min_bytes=least)
+  if not everything:
+    if options.state_on_host:
+      log.warning("jlms: no donated argument of %s is returned updated "
+                  "(of the same shape and dtype): no state to keep on host",
+                  options.name)
+    return on_device
+  if options.state_on_host or budget is None:
+    return [dataclasses.replace(plain, state=everything)]
+  levels = list(on_device)
+  # The optimizer's moments cross the link once each way: the largest
+  # first, as many as the budget needs (what stays on the device costs
+  # no copy), then all of the state.
+  moments = host_state(program, liveness, pairs, min_bytes=least,
+                       only_update_read=True)
+  sizes = sorted(((aval_nbytes(program.avals[program.invars[i]]), i, o)
+                  for i, o in zip(moments.inputs, moments.outputs)),
+                 reverse=True)
+  total = sum(size for size, _, _ in sizes)
+  chosen, moved, share = [], 0, _STATE_LEVEL_SHARE
+  for size, i, o in sizes:
+    chosen.append((i, o))
+    moved += size
+    if moved >= share * total or len(chosen) == len(sizes):
+      share += _STATE_LEVEL_SHARE
+      state = host_state(program, liveness,
+                         sorted(chosen, key=lambda p: p[0]))
+      if state != everything:
+        levels.append(dataclasses.replace(plain, state=dataclasses.replace(
+            state, on_device=tuple(p for p in pairs
+                                   if p[0] not in state.inputs))))
+  levels.append(dataclasses.replace(plain, state=everything))
+  return levels
+
+
+def _state_bytes(plain) -> int:
+  return sum(aval_nbytes(plain.program.avals[plain.program.invars[i]])
+             for i in plain.state.inputs)
+
+
+@dataclasses.dataclass
+class _Candidate:
+  """A fit, rewritten: the plan the search holds, and what XLA said."""
+  placed: Any
+  residuals: tuple
+  result: Any
+  rewritten: Any
+  without_copies: Any
+  measured: int | None = None
+
+
+def _rewritten(request: SearchRequest, config, fitted) -> _Candidate:
+  """The fit `fitted` (placed, residuals, result), rewritten."""
+  placed, residuals, result = fitted
+  rewritten, without_copies = rewrite_with_and_without_copies(
+      placed.program, result.offloads, config, request.debug_info,
+      fusion=placed.fusion, pin_contractions=True,
+      serialized=serialized(placed.program, placed.liveness, config,
+                            placed.fusion))
+  return _Candidate(placed, residuals, result, rewritten, without_copies)
+
+
+def _search_budget(request: SearchRequest, plain_peak,
+                   ask_xla_when_refused=True) -> PlannedStep:
+  """`fit_budget`'s search for one placement of the state, once the step
+  is known not to fit as it is (or the budget is the least memory): the
+  fit, confirmed by XLA. Where the simulator finds no plan, XLA is asked
+  about the least-memory one only `ask_xla_when_refused`."""
+  plain, baseline = request.plain, request.baseline
+  budget, target = request.budget, request.target
+  searched = budget
+  unseen = unseen_split(list(request.avals), request.leaves)
+  if unseen > 1 and budget is not None:
+    # Auto mesh axes: the simulator sizes whole arrays, XLA and the budget
+    # one device's shards. Scale the budget by XLA's ratio of the two for
+    # jax.jit's program, or, with no XLA to ask, by the arguments' split.
+    scale = unseen if plain_peak is None else (
+        baseline.peak_bytes / max(plain_peak, 1))
+    searched = int(budget * scale)
+    log.info("jlms: the arguments are split %d ways but the step's values "
+             "carry no sharding (Auto mesh axes); the simulator searches "
+             "for a whole-step peak of %s", unseen, format_bytes(searched))
+  config = dataclasses.replace(request.options.config,
+                               sync_mode=SyncMode.NONE)
+  try:
+    fitted = fastest_fit(request, searched)
+    simulator_refused = False
+  except BudgetError as error:
+    if (target is None or budget is None or error.smallest_bytes is None
+        or not ask_xla_when_refused):
+      raise
+    # The simulator overstates some peaks (a loop body's working memory
+    # most): XLA says whether jlms's least-memory plan fits after all.
+    log.info("jlms: the simulator's smallest peak is %s, above the budget; "
+             "asking XLA", format_bytes(error.smallest_bytes))
+    fitted = fastest_fit(request, None)
+    searched = fitted[2].timeline.peak_bytes
+    simulator_refused = True
+  placed, _, result = fitted
+  as_it_is = _ways(request)[0].placed
+  if (not result.offloads and placed is as_it_is and budget is None
+      and not plain.state):
+    # As little memory as jlms reaches is the step as it is.
+    return request.as_is(budget, None)
+  if (budget is None and result.timeline.peak_bytes >= baseline.peak_bytes
+      and not plain.state):
+    return request.as_is(
+        budget, None,
+        reason="jlms's least-memory plan is predicted to peak at "
+        f"{format_bytes(result.timeline.peak_bytes)}, no lower than "
+        f"jax.jit's program ({format_bytes(baseline.peak_bytes)})")
+
+  chosen = _rewritten(request, config, fitted)
+  if target is None:
+    return _planned(request, config, chosen)
+  chosen.measured = request.xla_peak(chosen.rewritten, plain.state.inputs)
+  log.info("jlms: XLA's peak on %s: %s (budget %s)", target,
+           format_bytes(chosen.measured),
+           "none" if budget is None else format_bytes(budget))
+  if budget is None and not plain.state:
+    # A plan XLA finds no smaller than jax.jit's program is not applied.
+    plain_peak = _plain_xla_peak(request)
+    if chosen.measured >= plain_peak:
+      return request.as_is(
+          budget, (plain_peak, target),
+          reason=f"XLA's peak on {target} with jlms's least-memory plan "
+          f"is {format_bytes(chosen.measured)}, no lower than jax.jit's "
+          f"program's ({format_bytes(plain_peak)})")
+  if budget is not None:
+    chosen = _confirmed(request, config, chosen, searched, plain_peak,
+                        simulator_refused)
+  return _planned(request, config, chosen)
+
+
+def _confirmed(request: SearchRequest, config, chosen: _Candidate, searched,
+               plain_peak, simulator_refused) -> _Candidate:
+  """`chosen`, or a plan fitted again for less while XLA's peak of it
+  does not fit the budget (at most `CONFIRMATIONS` compiles, then jlms's
+  least-memory plan), then one more for the room XLA leaves unused."""
+  budget, target = request.budget, request.target
+  host_inputs = request.plain.state.inputs
+  smallest = chosen.measured
+  least_peak = chosen.measured if simulator_refused else None
+  compiles = 1
+  while chosen.measured > budget:
+    if simulator_refused or compiles >= CONFIRMATIONS:
+      if least_peak is None:
+        # The last resort, and the least a later budget can rely on:
+        # jlms's least-memory plan, compiled.
+        least = _rewritten(request, config, fastest_fit(request, None))
+        least.measured = least_peak = request.xla_peak(least.rewritten,
+                                                       host_inputs)
+        smallest = min(smallest, least_peak)
+        compiles += 1
+        log.info("jlms: XLA's peak on %s of the least-memory plan: %s",
+                 target, format_bytes(least_peak))
+        if least_peak <= budget:
+          return least
+      raise _refused(budget, target, plain_peak, least_peak, smallest,
+                     compiles)
+    # The simulator was optimistic: ask it for proportionally less, of
+    # every way the loops can run (the way first chosen may have no
+    # smaller plan where another does, faster than the least-memory one).
+    searched = int(searched * budget / chosen.measured * 0.97)
+    log.info("jlms: searching again for a predicted peak of %s",
+             format_bytes(searched))
+    try:
+      fitted = fastest_fit(request, searched)
+    except BudgetError:
+      simulator_refused = True  # no smaller plan of this kind: say so
+      continue
+    chosen = _rewritten(request, config, fitted)
+    chosen.measured = request.xla_peak(chosen.rewritten, host_inputs)
+    smallest = min(smallest, chosen.measured)
+    compiles += 1
+    log.info("jlms: XLA's peak on %s: %s (budget %s)", target,
+             format_bytes(chosen.measured), format_bytes(budget))
+  relaxed = (None if compiles != 1 else relaxed_search(
+      chosen.result.timeline.peak_bytes, chosen.measured, budget))
+  if relaxed is None:
+    return chosen
+  # The simulator overstated this plan's peak (a loop body's working
+  # memory most, a few fused buffers XLA does not keep): a plan that it
+  # thinks larger, and that recomputes less, may fit too. One more
+  # compile says.
+  try:
+    faster = fastest_fit(request, relaxed)
+  except BudgetError:
+    return chosen
+  if (faster[2].step_time.total_s
+      >= (1 - _FASTER_BY) * chosen.result.step_time.total_s):
+    return chosen
+  candidate = _rewritten(request, config, faster)
+  candidate.measured = request.xla_peak(candidate.rewritten, host_inputs)
+  log.info("jlms: XLA's peak on %s of a faster plan: %s", target,
+           format_bytes(candidate.measured))
+  return candidate if candidate.measured <= budget else chosen
+
+
+def _planned(request: SearchRequest, config, chosen: _Candidate
+             ) -> PlannedStep:
+  """The planned step of the fit `chosen`, with its plan."""
+  placed, result, times = chosen.placed, chosen.result, request.time
+  plain = request.plain
+  measured = chosen.measured
+  plan = build_plan(
+      placed.program, placed.liveness, result.offloads, config,
+      request.baseline, result.timeline, residuals=chosen.residuals,
+      budget_bytes=request.budget, fitted=True, xla_peak_bytes=measured,
+      xla_target=request.target if measured is not None else None,
+      step_times=lambda: (predict_times(times, plain)[0], result.step_time),
+      time_target=times.name,
+      state_updated_in_loops=sum(c.updated_in_loop
+                                 for c in placed.state_copies))
+  return PlannedStep(placed.program, result.offloads, plan,
+                     request.out_trees[-1], chosen.rewritten,
+                     request.jit_params,
+                     rewrite_without_copies=chosen.without_copies,
+                     state=plain.state)
+
+
+def _ways(request: SearchRequest):
+  request.progress.stage("analysing the ways its loops can run")
+  return placed_ways(request.plain, request.options.config,
+                     request.options.target, request.ways)
+
+
+def fastest_fit(request: SearchRequest, budget: int | None):
+  """(placed program, streamed residuals, `jlms._fit.Fit`) of the fastest
+  way to fit `budget` (None: the least memory). Each way the step's loops
+  can run (as they are, residuals remade inside the backward loops,
+  residuals streamed through host) is fitted at the top level."""
+  options = request.options
+  fitted, last_error, last_rank = [], None, None
+  host_budget = options.host_budget_bytes(
+      confirm_target(options, on_gpu=request.on_gpu) == "local")
+  ways = _ways(request)
+  for number, way in enumerate(ways):
+    placed = way.placed
+    request.progress.stage(f"fitting {way.description} ({number + 1} of "
+                           f"{len(ways)})")
+    try:
+      result = fit(placed.program, placed.liveness, budget, request.time,
+                   options.min_bytes_for(budget), placed.fusion,
+                   way.residuals, host_budget,
+                   state_copies=placed.state_copies)
+    except BudgetError as error:
+      # The way that gets closest names the smallest peak reachable; a way
+      # refused for the host's memory only where all are, and then the one
+      # that needs the least of it.
+      host = getattr(error, "host_bytes", None)
+      rank = ((False, error.smallest_bytes) if host is None
+              else (True, host))
+      if last_error is None or rank < last_rank:
+        last_error, last_rank = error, rank
+      continue
+    log.info("jlms: %s: predicted %s", way.description,
+             result.step_time.describe())
+    fitted.append(((result.step_time.total_s,), len(fitted), placed,
+                   way.residuals, result))
+  if not fitted:
+    raise last_error
+  if budget is None:
+    # The least memory: the fastest of the ways within 1% of the smallest
+    # peak (a few MiB less is not worth many times the time).
+    least = min(f[-1].timeline.peak_bytes for f in fitted)
+    fitted = [f for f in fitted
+              if f[-1].timeline.peak_bytes <= least * _LEAST_PEAK_SLACK]
+  _, _, placed, residuals, result = min(fitted)
+  return placed, residuals, result
+
+
+def _refused(budget, target, plain_peak, least_peak, smallest,
+             compiles) -> BudgetError:
+  """The error of a budget XLA finds no plan under. Its minimum is the
+  smaller of jax.jit's program's peak and jlms's least-memory plan's: a
+  budget search for that much tries both, so it fits."""
+  minimum = least_peak if plain_peak is None else min(plain_peak, least_peak)
+  as_it_is = ("" if plain_peak is None else
+              f"{format_bytes(plain_peak)} for jax.jit's program and ")
+  error = BudgetError(
+      f"jlms: the step does not fit a budget of {format_bytes(budget)} on "
+      f"{target}: XLA's peak is {as_it_is}"
+      f"{format_bytes(least_peak)} with jlms's least-memory "
+      f"plan (XLA compiled {compiles} jlms "
+      f"{'plan' if compiles == 1 else 'plans'}, the smallest peaking at "
+      f"{format_bytes(smallest)}); raise the budget to at least "
+      f"{format_bytes(minimum)}")
+  error.smallest_bytes = minimum
+  return error
+
+
+def relaxed_search(predicted: int, measured: int, budget: int) -> int | None:
+  """The simulator's peak to fit for once more, when XLA's peak of a plan
+  that the simulator predicted at `predicted` is `measured`, below
+  `budget`: the unused room, in the simulator's bytes (scaled by its ratio
+  to XLA's for this plan), less a tenth of it as margin; None when the
+  room is under `_UNUSED_ROOM` of the budget."""
+  if measured >= (1 - _UNUSED_ROOM) * budget:
+    return None
+  room = predicted * (budget / measured - 1)
+  return int(predicted + 0.9 * room)

@@ -1,0 +1,240 @@
+"""The ways a step's loops can run, each a small strategy the search tries.
+
+A budget fit (`jlms._search`) fits every way at the top level and keeps the
+fastest that fits. The ways, in order:
+
+- `LoopsAsTheyAre`: the step's program unchanged;
+- `InputsMadeInLoops`: loop-invariant masks and fills that autodiff hoisted
+  out of the scans made inside them again (`jlms._loop_sink`);
+- `LoopsRemaking(share)`: a share of the residuals that forward scans stack
+  for backward ones remade inside the backward loop, the cheapest first
+  (`jlms._loop_remat`; all of them is per-layer remat);
+- `ResidualsStreamed`: those residuals streamed through host one slice per
+  iteration (`jlms._loops`).
+
+The last three start from the program with its inputs sunk. A way that
+cannot be built for a step (a pass that cannot rewrite its loops) is left
+out, with a debug log line that says why; the step as it is always stays.
+
+Guarantees: every way computes what the step computes; `placed_ways`
+analyses each once per analysed step (cached by the caller's
+`WayCache`), with its fused equations placed at their readers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Iterator
+
+from jlms._analysed import AnalysedProgram
+from jlms._config import OffloadConfig
+from jlms._cost import time_target
+from jlms._liveness import analyse
+from jlms._loop_remat import (cheapest, loop_rematerializations,
+                              rematerialize_in_loops)
+from jlms._loop_sink import loop_sinks, sink_into_loops
+from jlms._loops import find_scan_residuals, offload_scan_residuals
+from jlms._placement import place_fused_at_readers
+from jlms._simulator import analyse_fusion
+from jlms._state import keep_state_on_host
+
+log = logging.getLogger("jlms")
+
+#: Shares of a scan's residuals (the cheapest to remake first) that the
+#: backward loop remakes, one way of the step each.
+LOOP_REMAT_SHARES = (0.25, 0.5, 0.75, 1.0)
+_CACHE_SIZE = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Way:
+  """One way of running the step's loops: its program, and the residuals
+  to stream through host (streamed by `placed_ways`)."""
+  program: object
+  liveness: object
+  residuals: tuple
+  description: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sunk:
+  """The step's program with its loop-invariant inputs made in the loops,
+  shared by the ways that rewrite loops."""
+  program: object
+  liveness: object
+  sinks: tuple
+
+
+class LoopsAsTheyAre:
+  """The step's program, unchanged."""
+
+  def ways(self, plain, sunk: _Sunk, config, target) -> Iterator[Way]:
+    yield Way(plain.program, plain.liveness, (), "loops as they are")
+
+
+class InputsMadeInLoops:
+  """Hoisted masks and fills made inside the loops that read them."""
+
+  def ways(self, plain, sunk: _Sunk, config, target) -> Iterator[Way]:
+    if sunk.sinks:
+      yield Way(sunk.program, sunk.liveness, (),
+                f"loops making {len(sunk.sinks)} loop-invariant inputs "
+                "inside")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopsRemaking:
+  """The cheapest `share` of the residuals (time to remake a byte) remade
+  inside the backward loops: all of them is per-layer remat; a budget may
+  need only some."""
+  shares: tuple = LOOP_REMAT_SHARES
+
+  def ways(self, plain, sunk: _Sunk, config, target) -> Iterator[Way]:
+    pairs = loop_rematerializations(sunk.program, sunk.liveness,
+                                    target=target)
+    if not pairs:
+      return
+    seen = set()
+    for share in self.shares:
+      chosen = cheapest(pairs, share)
+      key = tuple(c.residuals for c in chosen)
+      if key in seen:
+        continue
+      seen.add(key)
+      program = rematerialize_in_loops(sunk.program, chosen)
+      remade = sum(len(c.residuals) for c in chosen)
+      yield Way(program, analyse(program), (),
+                f"{len(chosen)} loops remaking {remade} of their residuals")
+
+
+class ResidualsStreamed:
+  """The residuals a forward scan stacks streamed through host, one slice
+  per iteration."""
+
+  def ways(self, plain, sunk: _Sunk, config, target) -> Iterator[Way]:
+    residuals = find_scan_residuals(
+        sunk.program, sunk.liveness,
+        dataclasses.replace(config, swapout_threshold=2))
+    if residuals:
+      yield Way(sunk.program, sunk.liveness, residuals,
+                f"{len(residuals)} scan residuals streamed through host")
+
+
+#: The strategies, in the order the search tries them.
+STRATEGIES = (LoopsAsTheyAre(), InputsMadeInLoops(), LoopsRemaking(),
+              ResidualsStreamed())
+
+
+def loop_ways(plain: AnalysedProgram, config: OffloadConfig,
+              target_name: str | None) -> Iterator[Way]:
+  """Each way the step's scans can run (see the module docstring); only
+  the step as it is where `config.scan_residuals` is off."""
+  yield from STRATEGIES[0].ways(plain, None, config, None)
+  if not config.scan_residuals:
+    return
+  sunk = _sunk(plain)
+  target = time_target(target_name)
+  for strategy in STRATEGIES[1:]:
+    try:
+      yield from strategy.ways(plain, sunk, config, target)
+    except Exception as error:  # noqa: BLE001 -- this way only
+      log.debug("jlms: no %s way for this step (%s: %s)",
+                type(strategy).__name__, type(error).__name__, error)
+
+
+def _sunk(plain: AnalysedProgram) -> _Sunk:
+  """Every variant below rewrites its loops anyway, and each hoisted input
+  is a buffer alive through both loops: they start from it made inside."""
+  sinks = loop_sinks(plain.program, plain.liveness)
+  program, sinks = sink_into_loops(plain.program, sinks)
+  liveness = analyse(program) if sinks else plain.liveness
+  return _Sunk(program, liveness, sinks)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacedWay:
+  """A way, with the state placed as its analysed step says and its fused
+  equations placed at their readers: what `jlms._fit` fits."""
+  placed: AnalysedProgram
+  residuals: tuple
+  description: str
+
+
+class WayCache:
+  """The placed ways of the analysed steps a step object planned last
+  (a budget search fits the same ways many times)."""
+
+  def __init__(self):
+    self._entries: dict = {}
+
+  def get(self, plain, build):
+    cached = self._entries.get(id(plain))
+    if cached is None or cached[0] is not plain:
+      cached = self._entries[id(plain)] = (plain, tuple(build()))
+      if len(self._entries) > _CACHE_SIZE:
+        self._entries.pop(next(iter(self._entries)))
+    return cached[1]
+
+
+def placed_ways(plain: AnalysedProgram, config: OffloadConfig,
+                target_name: str | None, cache: WayCache
+                ) -> tuple[PlacedWay, ...]:
+  """Each of `loop_ways`, with `plain.state` kept as it says and the
+  residuals streamed, analysed with fused equations placed at their
+  readers; once per analysed step. A way that the state's or the
+  residuals' rewrite cannot take is left out (debug log), except the
+  first, the step as it is."""
+  def build():
+    for number, way in enumerate(loop_ways(plain, config, target_name)):
+      try:
+        yield _placed(plain, way)
+      except Exception as error:  # noqa: BLE001 -- this way only
+        if number == 0:
+          raise
+        log.debug("jlms: %s left out (%s: %s)", way.description,
+                  type(error).__name__, error)
+  return cache.get(plain, build)
+
+
+def _placed(plain: AnalysedProgram, way: Way) -> PlacedWay:
+  program, liveness, residuals = way.program, way.liveness, way.residuals
+  description, copies = way.description, ()
+  if plain.state or plain.state.on_device:
+    program, copies, residuals = keep_state_on_host(
+        program, plain.state, residuals, plain.argument_names)
+    liveness = analyse(program)
+    if plain.state:
+      description += f", {len(plain.state.inputs)} state leaves on host"
+  elif residuals:
+    program = offload_scan_residuals(program, residuals)
+    liveness = analyse(program)
+  fusion = (plain.fusion if program is plain.program
+            else analyse_fusion(program, liveness))
+  placed_program = place_fused_at_readers(program, liveness, fusion)
+  residuals, copies = _reindexed(program, placed_program, residuals, copies)
+  placed = dataclasses.replace(AnalysedProgram.of(placed_program),
+                               state=plain.state, state_copies=copies)
+  return PlacedWay(placed, residuals, description)
+
+
+def _reindexed(program, placed, residuals, copies):
+  """`residuals` and state `copies` indexed in `placed`, the program that
+  `place_fused_at_readers` made of `program` (it moves fused equations,
+  not loops or copies)."""
+  new_index = {id(e.eqn): i for i, e in enumerate(placed.equations)}
+  end = len(placed)
+
+  def moved(index):
+    if index is None:
+      return None
+    if index >= len(program):
+      return end
+    return new_index.get(id(program.equations[index].eqn), index)
+
+  residuals = tuple(dataclasses.replace(
+      r, producer=moved(r.producer),
+      readers=tuple(moved(i) for i in r.readers)) for r in residuals)
+  copies = tuple(dataclasses.replace(c, index=moved(c.index))
+                 for c in copies)
+  return residuals, copies

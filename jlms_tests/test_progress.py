@@ -1,0 +1,65 @@
+"""A long planning says what it is doing; a short one says nothing."""
+
+import io
+
+import jax.numpy as jnp
+
+import jlms
+from jlms._progress import QUIET_S, Progress
+
+
+class _Clock:
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+class _Terminal(io.StringIO):
+  def isatty(self):
+    return True
+
+
+def test_nothing_is_shown_in_the_first_seconds_then_each_stage_at_most_every_few():
+  clock, out = _Clock(), io.StringIO()
+  progress = Progress("step", stream=out, clock=clock)
+  progress.stage("tracing")
+  clock.now = QUIET_S - 1
+  progress.stage("fitting")
+  progress.done()
+  assert out.getvalue() == ""  # a step planned in seconds prints nothing
+
+  progress = Progress("step", stream=out, clock=clock)
+  clock.now += QUIET_S + 2
+  progress.stage("fitting loops as they are (1 of 3)")
+  clock.now += 1
+  progress.stage("fitting the next way (2 of 3)")  # too soon after: silent
+  clock.now += QUIET_S
+  progress.stage("XLA compiling a program for h100")
+  progress.done()
+  lines = out.getvalue().splitlines()
+  assert lines == [
+      "jlms: planning step (12 s): fitting loops as they are (1 of 3)",
+      "jlms: planning step (23 s): XLA compiling a program for h100",
+      "jlms: planned step in 23 s"]
+
+
+def test_on_a_terminal_one_status_line_is_rewritten_in_place():
+  clock, out = _Clock(), _Terminal()
+  progress = Progress("step", stream=out, clock=clock)
+  clock.now = QUIET_S + 1
+  progress.stage("one")
+  clock.now += 1
+  progress.stage("two")
+  progress.done()
+  text = out.getvalue()
+  assert text.count("\n") == 1 and text.endswith("planned step in 12 s\n")
+  assert "one" in text and "two" in text and text.count("\r") == 3
+
+
+def test_a_step_planned_quickly_prints_nothing(capsys):
+  step = jlms.offload(lambda x: jnp.sin(x) * 2, budget="min")
+  step.plan(jnp.ones((8, 8)))
+  captured = capsys.readouterr()
+  assert captured.out == "" and "jlms: plann" not in captured.err
