@@ -20,7 +20,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import logging
+import re
 import time
 import warnings
 from typing import Callable, Sequence
@@ -35,7 +37,8 @@ from jlms._arguments import (SplitArguments, committed_where_they_are,
                              complete_argnums, host_positions,
                              split_arguments, traceable,
                              with_state_on_device)
-from jlms._budget import BudgetError, parse_budget
+from jlms._budget import (BudgetError, check_budget_against_target,
+                          host_pool_bytes, parse_budget)
 from jlms._config import OffloadConfig, SyncMode
 from jlms._cost import time_target
 from jlms._fallback import (OffloadError, describe,
@@ -53,7 +56,7 @@ from jlms._tradeoff import Tradeoff, TradeoffPoint
 from jlms._units import format_bytes
 from jlms._variants import WayCache
 from jlms._verify import compare_memory_of_call
-from jlms._xla_memory import KNOWN_TARGETS
+from jlms._xla_memory import KNOWN_TARGETS, LOCAL_TARGET, target_memory_bytes
 
 _CACHE_SIZE = 32
 
@@ -63,6 +66,8 @@ log = logging.getLogger("jlms")
 class StateOnDeviceWarning(UserWarning):
   """State that jlms keeps in pinned host memory arrived on the device:
   the step copies it to host first. `OffloadedStep.place` puts it there."""
+
+  __module__ = "jlms"  # tracebacks and reprs show the public name
 
 
 class OffloadedStep:
@@ -119,12 +124,19 @@ class OffloadedStep:
     self.host_budget = host_budget
     if host_budget is not None:
       parse_budget(host_budget)  # reject malformed budgets now
+    else:
+      host_pool_bytes()  # reject a malformed XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
     if target is not None and target not in KNOWN_TARGETS:
       # Where XLA confirms a budget; each has a time model.
       raise ValueError(f"jlms.offload: unknown target {target!r}; valid "
                        f"targets: {', '.join(KNOWN_TARGETS)}")
     if self.budget not in (KNOBS, DEVICE, MINIMUM):
       parse_budget(budget, lambda: 1)  # reject malformed budgets now
+      if target not in (None, LOCAL_TARGET) and not (
+          isinstance(budget, str) and budget.strip().endswith("%")):
+        check_budget_against_target(parse_budget(budget),
+                                    target_memory_bytes(target), target,
+                                    stacklevel=3)
     if state_on_host not in (None, True, False):
       raise TypeError("jlms.offload: state_on_host is True, False or None, "
                       f"not {state_on_host!r}")
@@ -145,7 +157,8 @@ class OffloadedStep:
     self._warned_state: set = set()
 
   def __repr__(self) -> str:
-    return f"jlms.offload({self._name}, {self.config})"
+    return (f"jlms.offload({self._name}, budget={self.budget!r}, "
+            f"target={self.target!r}, {self.config})")
 
   # -- the jax.jit surface -------------------------------------------------
   def __call__(self, *args, **kwargs):
@@ -388,8 +401,8 @@ class OffloadedStep:
     it once before the first step; the step returns the state where it
     takes it."""
     analysis = self._runnable_analysis(args, kwargs)
-    if not analysis.state:
-      return args, kwargs
+    if not analysis.state:  # nothing kept on host: as they are
+      return (args, kwargs) if kwargs else args
     split = self._split(args, kwargs)
     leaves = list(split.leaves)
     moved = [i for i in analysis.state.inputs
@@ -463,6 +476,10 @@ class OffloadedStep:
       out_trees.append(out_tree)
       return out_leaves
 
+    # JAX's errors name the function they trace: the user's step, with
+    # the flat signature of the leaves it is traced on.
+    flat_fun.__wrapped__ = self._fun
+    flat_fun.__signature__ = inspect.signature(lambda *flat: None)
     try:
       # Traced under a jit so that the jaxpr carries the params of a nested
       # jit equation: the rewritten program is staged as one such equation.
@@ -471,6 +488,11 @@ class OffloadedStep:
       e.add_note("jlms.offload traces the step like jax.jit does: it must be "
                  "jittable (mark Python-valued arguments static with "
                  "static_argnums/static_argnames).")
+      named = _leaf_names(split, sorted(
+          {int(i) for i in re.findall(r"flat\[(\d+)\]", str(e))}))
+      if named:
+        e.add_note("jlms traces the step on its arguments' leaves: "
+                   + "; ".join(f"flat[{i}] is {path}" for i, path in named))
       raise
     try:
       analysis = self._planned(closed, leaves, out_trees,
@@ -748,6 +770,19 @@ def _to_pinned_host(arrays) -> list:
   return list(_pinned_host_copy(shardings)(*arrays))
 
 
+
+
+def _leaf_names(split, positions) -> list[tuple[int, str]]:
+  """(position, path) of each dynamic leaf at `positions`, its path in the
+  step's arguments ("args[0]['params']['w']", "kwargs['batch']")."""
+  if split.treedef is None or not positions:
+    return []
+  tree = jax.tree.unflatten(split.treedef, list(range(len(split.leaves))))
+  paths = {}
+  for path, position in jax.tree_util.tree_leaves_with_path(tree):
+    where = "args" if path and getattr(path[0], "idx", None) == 0 else "kwargs"
+    paths[position] = where + jax.tree_util.keystr(tuple(path[1:]))
+  return [(i, paths[i]) for i in positions if i in paths]
 
 
 def _argument_names(program, treedef, leaves) -> dict:

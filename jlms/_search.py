@@ -41,7 +41,8 @@ from jlms._sharding import abstract_arguments, unseen_split
 from jlms._state import HostState, host_state, state_pairs
 from jlms._units import format_bytes
 from jlms._variants import WayCache, placed_ways
-from jlms._xla_memory import (DevicelessUnavailableError, target_memory_bytes,
+from jlms._xla_memory import (LOCAL_TARGET, DevicelessUnavailableError,
+                              check_local_gpu, target_memory_bytes,
                               target_of_arguments)
 
 log = logging.getLogger("jlms")
@@ -131,6 +132,8 @@ def confirm_target(options: SearchOptions, leaves=(),
   device's memory) the GPU target whose compile-only devices the
   arguments `leaves` are placed on, else the local GPU (`on_gpu`), else
   nowhere (a CPU has no GPU compiler to ask)."""
+  if options.target == LOCAL_TARGET and not on_gpu:
+    check_local_gpu()  # says what to name instead
   if options.target is not None:
     return options.target
   placed_on = (target_of_arguments(leaves) if options.budget is DEVICE

@@ -75,8 +75,6 @@ def test_a_budget_within_the_targets_memory_does_not_warn(budget):
     check_budget_against_target(budget, 80 * GIB, "h100")
 
 
-@pytest.mark.xfail(strict=True, reason="needs the call of "
-                   "check_budget_against_target in _offload.py")
 def test_offload_warns_of_a_budget_above_the_target_at_once():
   with pytest.warns(UserWarning, match=r"10240\.00 GiB.*79\.11 GiB.*h100"):
     jlms.offload(lambda x: x * 2, budget="10TiB", target="h100")
@@ -314,8 +312,9 @@ def scan_mlp():
   on JAX 0.10.2)."""
   from benchmarks import frontier_cases
   case = frontier_cases.scan_mlp(layers=16, width=128, batch=2048)
-  plan = jlms.offload(case.step, budget="1TiB", target="h100").plan(
-      *case.abstract_args())
+  with pytest.warns(UserWarning, match="above the 79.11 GiB of one h100"):
+    plan = jlms.offload(case.step, budget="1TiB", target="h100").plan(
+        *case.abstract_args())
   return case, plan.baseline_peak_bytes
 
 

@@ -11,18 +11,9 @@ import pytest
 
 import jlms
 
-# Defined in jlms/_offload.py, which sets no public module yet.
-_PRIVATE_STILL = {"StateOnDeviceWarning"}
-
 PUBLIC_EXCEPTIONS = sorted(
     name for name, value in vars(jlms).items()
     if inspect.isclass(value) and issubclass(value, BaseException))
-
-
-def _public(name):
-  return pytest.param(name, marks=pytest.mark.xfail(
-      strict=True, reason="defined in _offload.py, which does not set it")
-  ) if name in _PRIVATE_STILL else name
 
 
 def test_the_public_exceptions_are_found():
@@ -30,7 +21,7 @@ def test_the_public_exceptions_are_found():
           "DevicelessUnavailableError"} <= set(PUBLIC_EXCEPTIONS)
 
 
-@pytest.mark.parametrize("name", [_public(n) for n in PUBLIC_EXCEPTIONS])
+@pytest.mark.parametrize("name", PUBLIC_EXCEPTIONS)
 def test_an_exception_prints_with_its_public_name(name):
   cls = getattr(jlms, name)
   error = cls("what went wrong")
@@ -42,8 +33,6 @@ def test_an_exception_prints_with_its_public_name(name):
   assert type(pickle.loads(pickle.dumps(error))) is cls
 
 
-@pytest.mark.xfail(strict=True, reason="needs _offload.py to read the pool "
-                   "with jlms._budget.host_pool_bytes when a step is made")
 def test_a_malformed_host_pool_is_refused_when_the_step_is_made(monkeypatch):
   monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "abc")
   with pytest.raises(ValueError, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB='abc'"):
@@ -56,12 +45,7 @@ def _doubled(x):
 
 @pytest.mark.skipif(jax.default_backend() == "gpu",
                     reason="a GPU is the local target")
-@pytest.mark.parametrize("budget", [
-    "device", "50%",
-    pytest.param("1MiB", marks=pytest.mark.xfail(
-        strict=True, reason="needs _offload.py's _confirm_target to check "
-        "for a local GPU: a budget in bytes never asks the local memory")),
-])
+@pytest.mark.parametrize("budget", ["device", "50%", "1MiB"])
 def test_the_local_target_without_a_gpu_says_what_to_do_instead(budget):
   step = jlms.offload(_doubled, target="local", budget=budget)
   with pytest.raises(jlms.DevicelessUnavailableError,
