@@ -23,7 +23,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse
 import logging
 import time
-
 import warnings
 
 import jax
