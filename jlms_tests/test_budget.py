@@ -10,10 +10,13 @@ import pytest
 
 import jlms
 from benchmarks import models
-from jlms import _compat
+from jlms import _compat, _search
 from jlms._budget import (HOST_POOL_VARIABLE, check_budget_against_target,
                           host_pool_bytes, parse_budget)
+from jlms._liveness import analyse
 from jlms._plan import format_bytes
+from jlms._program import flatten
+from jlms._simulator import simulate
 from jlms_tests.conftest import F32_TOLERANCE, PLATFORM, max_relative_error
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -470,3 +473,37 @@ def test_a_host_budget_bounds_what_is_copied_out():
   assert 0 < bounded.predicted_host_bytes <= free.predicted_host_bytes // 2
   nothing = jlms.offload(case.step, budget="min", host_budget=1).plan(*args)
   assert nothing.predicted_host_bytes == 0 and nothing.recomputed
+
+
+def test_where_xla_finds_far_less_than_the_simulator_the_state_stays_on_device(
+    monkeypatch):
+  # An XLA that compiles every program to half the simulator's peak, as
+  # XLA's own rematerialization does to a program over the device's
+  # memory (Gemma2-2B: 295.7 GiB simulated, 108.9 GiB by XLA). The budget
+  # is below what the simulator reaches with the state on the device but
+  # above what XLA makes of it: the search scales by XLA's ratio for
+  # jax.jit's program and keeps the state on the device, confirmed by
+  # XLA, instead of walking the placements of the state to host.
+  compiled = []
+
+  def half_of_the_simulators(jit_params, rewritten, abstract, target,
+                             donated=(), host_inputs=()):
+    program = flatten(rewritten)
+    compiled.append(host_inputs)
+    return simulate(program, analyse(program)).peak_bytes // 2
+
+  monkeypatch.setattr(_search, "xla_peak", half_of_the_simulators)
+  case = models.gpt_case(layers=2, width=128, heads=4, seq=256, batch=8,
+                         vocab=512, scan_layers=True)
+  args = case.abstract_args()
+  least = jlms.offload(case.step, budget="min", donate_argnums=(0, 1),
+                       state_on_host=False).plan(*args)
+  budget = int(0.9 * least.predicted_peak_bytes)  # the simulator refuses it
+  with pytest.raises(jlms.BudgetError):
+    jlms.offload(case.step, budget=budget, donate_argnums=(0, 1),
+                 state_on_host=False).plan(*args)
+  compiled.clear()
+  plan = jlms.offload(case.step, budget=budget, target="h100",
+                      donate_argnums=(0, 1)).plan(*args)
+  assert plan.xla_peak_bytes <= budget
+  assert plan.state_leaves == 0 and not any(compiled)

@@ -2,16 +2,20 @@
 own engines, waits where a copy has not ended."""
 
 import dataclasses
+import random
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import models
+from jlms._analysed import AnalysedProgram
 from jlms._cost import TARGETS, kernel_seconds, time_target
-from jlms._config import SyncMode
+from jlms._config import OffloadConfig, SyncMode
+from jlms._fit import fit
 from jlms._liveness import analyse
-from jlms._planner import Offload, SwapIn
+from jlms._planner import Offload, SwapIn, plan_offloads
 from jlms._program import flatten
 from jlms._schedule import predict_step_time
 
@@ -183,3 +187,35 @@ def test_elementwise_recomputations_remade_together_read_their_inputs_once():
       program, liveness, [(chains["matmul"], value["matmul"]),
                           (chains["relu"], value["relu"])], H100)
   assert beside == pytest.approx([alone["matmul"], alone["relu"]])
+
+
+def test_where_no_copy_hides_the_sum_over_copies_is_the_walk_over_equations():
+  # The greedy fit prices hundreds of trials: with every copy exposed the
+  # step time is summed copy by copy, in O(copies), and must equal the
+  # schedule walked equation by equation, for copies and recomputations
+  # together, under every sync mode.
+  case = models.gpt_case(layers=2, width=128, heads=4, seq=128, batch=4,
+                         vocab=512)
+  step = AnalysedProgram.of(flatten(jax.make_jaxpr(case.step)(
+      *case.abstract_args())))
+  target = time_target("h100")
+  assert not target.hides_copies
+  remade = fit(step.program, step.liveness, None, target, 4096,
+               step.fusion).offloads
+  copied = plan_offloads(step.program, step.liveness,
+                         OffloadConfig(min_bytes=4096, swapout_threshold=5),
+                         step.fusion.materialized)
+  assert remade and copied
+  kernel_s = kernel_seconds(step.program, target, step.fusion, step.liveness)
+  draw = random.Random(0)
+  pool = list(remade) + list(copied)
+  for _ in range(30):
+    offloads = tuple(draw.sample(pool, draw.randint(0, len(pool))))
+    for mode in SyncMode:
+      summed = predict_step_time(step.program, step.liveness, kernel_s,
+                                 offloads, target, mode)
+      walked = predict_step_time(step.program, step.liveness, kernel_s,
+                                 offloads, target, mode, walk=True)
+      assert summed.total_s == pytest.approx(walked.total_s, rel=1e-12)
+      assert (summed.d2h_bytes, summed.h2d_bytes) == (walked.d2h_bytes,
+                                                      walked.h2d_bytes)
