@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import inspect
 import logging
-import re
 import time
 import warnings
 from typing import Callable, Sequence
@@ -157,8 +156,15 @@ class OffloadedStep:
     self._warned_state: set = set()
 
   def __repr__(self) -> str:
-    return (f"jlms.offload({self._name}, budget={self.budget!r}, "
-            f"target={self.target!r}, {self.config})")
+    shown = [self._name, f"budget={self.budget!r}", f"target={self.target!r}"]
+    if self.budget is KNOBS:  # the knobs apply only without a budget
+      shown.append(str(self.config))
+    shown += [f"{name}={getattr(self, name)!r}"
+              for name in ("host_budget", "state_on_host")
+              if getattr(self, name) is not None]
+    if self.strict:
+      shown.append("strict=True")
+    return f"jlms.offload({', '.join(shown)})"
 
   # -- the jax.jit surface -------------------------------------------------
   def __call__(self, *args, **kwargs):
@@ -416,9 +422,14 @@ class OffloadedStep:
     return (placed_args, placed_kwargs) if kwargs else placed_args
 
   def trace(self, *args, **kwargs) -> jax.stages.Traced:
+    """The `jax.stages.Traced` of the program that runs for these arguments
+    (jlms's, or jax.jit's where jlms's failed), as `jax.jit(step).trace`
+    gives it."""
     return self._program_for(args, kwargs).trace(*args, **kwargs)
 
   def eval_shape(self, *args, **kwargs):
+    """The step's outputs as `jax.ShapeDtypeStruct`s, as
+    `jax.jit(step).eval_shape` gives them; nothing is compiled or run."""
     return self._jitted.eval_shape(*args, **kwargs)
 
   # -- what it does ----------------------------------------------------------
@@ -466,7 +477,7 @@ class OffloadedStep:
       self._analyses.move_to_end(key)
       return cached, leaves
     start = time.perf_counter()
-    progress = Progress(self._name)
+    progress = Progress(self._name, ticking=True)
     progress.stage("tracing")
     out_trees = []
 
@@ -484,16 +495,8 @@ class OffloadedStep:
       # Traced under a jit so that the jaxpr carries the params of a nested
       # jit equation: the rewritten program is staged as one such equation.
       closed = jax.make_jaxpr(jax.jit(flat_fun))(*traceable(leaves))
-    except jax.errors.JAXTypeError as e:
-      e.add_note("jlms.offload traces the step like jax.jit does: it must be "
-                 "jittable (mark Python-valued arguments static with "
-                 "static_argnums/static_argnames).")
-      named = _leaf_names(split, sorted(
-          {int(i) for i in re.findall(r"flat\[(\d+)\]", str(e))}))
-      if named:
-        e.add_note("jlms traces the step on its arguments' leaves: "
-                   + "; ".join(f"flat[{i}] is {path}" for i, path in named))
-      raise
+    except (jax.errors.JAXTypeError, TypeError) as error:
+      raise self._traced_as_jax_jit(args, kwargs, error) from None
     try:
       analysis = self._planned(closed, leaves, out_trees,
                                self._donated_leaves(args, kwargs),
@@ -510,6 +513,22 @@ class OffloadedStep:
     if len(self._analyses) > _CACHE_SIZE:
       self._analyses.popitem(last=False)
     return analysis, leaves
+
+  def _traced_as_jax_jit(self, args, kwargs, error: Exception) -> Exception:
+    """The error `jax.jit(step)` raises tracing these arguments, which
+    names the step and the argument's path as jax.jit does ("the argument
+    batch['x']"), with a note on jittability; `error` itself where jax.jit
+    traces them (the failure is then jlms's own)."""
+    try:
+      self._plain_jitted.trace(*args, **kwargs)
+    except (jax.errors.JAXTypeError, TypeError) as named:
+      if isinstance(named, jax.errors.JAXTypeError):
+        named.add_note(
+            f"jlms.offload({self._name}) traces the step like jax.jit "
+            "does: it must be jittable (mark Python-valued arguments "
+            "static with static_argnums/static_argnames).")
+      return named
+    return error
 
   def _planned(self, closed, leaves, out_trees, donated=(),
                treedef=None, arrived_on_host=(),
@@ -770,19 +789,6 @@ def _to_pinned_host(arrays) -> list:
   return list(_pinned_host_copy(shardings)(*arrays))
 
 
-
-
-def _leaf_names(split, positions) -> list[tuple[int, str]]:
-  """(position, path) of each dynamic leaf at `positions`, its path in the
-  step's arguments ("args[0]['params']['w']", "kwargs['batch']")."""
-  if split.treedef is None or not positions:
-    return []
-  tree = jax.tree.unflatten(split.treedef, list(range(len(split.leaves))))
-  paths = {}
-  for path, position in jax.tree_util.tree_leaves_with_path(tree):
-    where = "args" if path and getattr(path[0], "idx", None) == 0 else "kwargs"
-    paths[position] = where + jax.tree_util.keystr(tuple(path[1:]))
-  return [(i, paths[i]) for i in positions if i in paths]
 
 
 def _argument_names(program, treedef, leaves) -> dict:

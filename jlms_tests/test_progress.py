@@ -1,10 +1,12 @@
 """A long planning says what it is doing; a short one says nothing."""
 
 import io
+import time
 
 import jax.numpy as jnp
 
 import jlms
+from jlms import _progress
 from jlms._progress import QUIET_S, Progress
 
 
@@ -63,3 +65,19 @@ def test_a_step_planned_quickly_prints_nothing(capsys):
   step.plan(jnp.ones((8, 8)))
   captured = capsys.readouterr()
   assert captured.out == "" and "jlms: plann" not in captured.err
+
+
+def test_a_long_stage_is_shown_again_until_it_ends(monkeypatch):
+  # One XLA compile of a large step can take minutes: the ticker shows the
+  # stage again every QUIET_S seconds, and stops with `done`.
+  monkeypatch.setattr(_progress, "QUIET_S", 0.05)
+  out = io.StringIO()
+  progress = Progress("step", stream=out, ticking=True)
+  progress.stage("XLA compiling a program for h100")
+  time.sleep(0.5)
+  progress.done()
+  lines = out.getvalue().splitlines()
+  assert len(lines) >= 4 and lines[-1].startswith("jlms: planned step in")
+  assert all("XLA compiling" in line for line in lines[:-1])
+  time.sleep(0.2)
+  assert out.getvalue().splitlines() == lines  # nothing after done

@@ -55,11 +55,7 @@ def _returns_a_string(w, batch):
 
 @pytest.mark.parametrize("step, named", [
     # jax.jit says "depends on the value of the argument batch['x']".
-    pytest.param(_branches_on_a_traced_value, "argument batch['x']",
-                 marks=pytest.mark.xfail(
-                     strict=True, reason="needs _offload.py to raise "
-                     "jax.jit's own error: it says flat[1], and a note "
-                     "args[1]['x']")),
+    (_branches_on_a_traced_value, "argument batch['x']"),
     (_returns_a_string, "<class 'str'>"),
 ])
 def test_a_step_jax_cannot_trace_is_named_as_jax_jit_names_it(step, named):
