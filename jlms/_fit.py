@@ -54,7 +54,8 @@ from jlms import _compat
 from jlms._cost import GpuTarget, kernel_seconds, recompute_seconds
 from jlms._liveness import Liveness
 from jlms._units import format_bytes
-from jlms._planner import Offload, SwapIn, is_offloadable, shared_kernels
+from jlms._planner import (Offload, SwapIn, is_offloadable, joins_kernel,
+                           kernel_facts)
 from jlms._program import Program
 from jlms._schedule import StepTime, predict_step_time
 from jlms._simulator import (Fusion, MemoryTimeline, analyse_fusion,
@@ -115,6 +116,7 @@ class _Problem:
     self.working = body_working_bytes(program)
     self.min_bytes = min_bytes
     self.host_budget: int | None = None
+    self._facts: dict = {}  # chain -> `kernel_facts`
 
   def gap(self, value: int) -> tuple[int, int] | None:
     """(last read before, first read after) the longest gap, in compute
@@ -226,8 +228,11 @@ class _Problem:
           # This one joins the other's kernel, so its inputs are the
           # other's, on the device there (never the other way round: one
           # of its own inputs may be made after that place).
-          and shared_kernels(self.program, [other.offload.recompute,
-                                            offload.recompute]) == [[0, 1]]):
+          # `shared_kernels(program, [other, this]) == [[0, 1]]`, from
+          # each chain's facts, found once (a fit asks of the same pairs
+          # round after round).
+          and joins_kernel(self._kernel_facts(other.offload.recompute),
+                           self._kernel_facts(offload.recompute))):
         place = anchor
     if place is None:
       return None
@@ -237,6 +242,12 @@ class _Problem:
                              offload.value, self.target, reads_inputs=False)
     return _Option(shared, option.nbytes, option.frees_from, place, cost,
                    option.leaves)
+
+  def _kernel_facts(self, chain: tuple[int, ...]):
+    facts = self._facts.get(chain)
+    if facts is None:
+      facts = self._facts[chain] = kernel_facts(self.program, chain)
+    return facts
 
   def simulate(self, offloads) -> MemoryTimeline:
     return simulate(self.program, self.liveness, tuple(offloads), self.fusion,

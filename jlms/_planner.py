@@ -135,6 +135,25 @@ def chain_inputs(program: Program, chain: tuple[int, ...]) -> set[int]:
           if isinstance(atom, int) and atom not in made}
 
 
+def kernel_facts(program: Program, chain: tuple[int, ...]
+                 ) -> tuple[frozenset, bool]:
+  """What `shared_kernels` groups a chain by: the values it reads that it
+  does not make, and whether it is elementwise (no contraction)."""
+  return (frozenset(chain_inputs(program, chain)),
+          not any(_compat.contraction_flops(program.equations[i].eqn)
+                  for i in chain))
+
+
+def joins_kernel(first: tuple[frozenset, bool],
+                 second: tuple[frozenset, bool]) -> bool:
+  """Whether `shared_kernels` of two chains with these `kernel_facts`
+  groups them as one kernel, the first's: both elementwise, and the second
+  reads something, all of it read by the first."""
+  (first_reads, first_elementwise), (reads, elementwise) = first, second
+  return (first_elementwise and elementwise and bool(reads)
+          and reads <= first_reads)
+
+
 def shared_kernels(program: Program,
                    chains: list[tuple[int, ...]]) -> list[list[int]]:
   """Groups of `chains` (equation indices of recomputations remade before

@@ -18,6 +18,7 @@ unit of every distance jlms talks about.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Union
 
@@ -102,19 +103,22 @@ def donation_pairs(program: Program) -> tuple[tuple[int, int], ...]:
   by output, taking the first donated input of its kind: the same pairs).
   JAX compares one device's shard of each where shardings are given; the
   simulator checks the sizes it counts (`_simulator.aliased_outputs`)."""
-  taken: set[int] = set()
+  if not program.donated:
+    return ()
+  # The outputs of each shape and dtype, first first: each donated input
+  # takes the first one left (linear in inputs and outputs; the simulator
+  # asks once per trial of a fit).
+  untaken = collections.defaultdict(collections.deque)
+  for out_position, atom in enumerate(program.outvars):
+    if isinstance(atom, int):
+      out = program.avals[atom]
+      untaken[out.shape, out.dtype].append(out_position)
   pairs = []
   for position in sorted(program.donated):
     aval = program.avals[program.invars[position]]
-    for out_position, atom in enumerate(program.outvars):
-      if out_position in taken or not isinstance(atom, int):
-        continue
-      out = program.avals[atom]
-      if (out.shape == aval.shape and out.dtype == aval.dtype
-          and _compat.has_plain_layout(aval)):
-        taken.add(out_position)
-        pairs.append((position, out_position))
-        break
+    left = untaken.get((aval.shape, aval.dtype))
+    if left and _compat.has_plain_layout(aval):
+      pairs.append((position, left.popleft()))
   return tuple(pairs)
 
 

@@ -1,12 +1,19 @@
 """Choosing what to offload (pure functions of reads and knobs)."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import pytest
 
+from benchmarks import models
+from jlms._analysed import AnalysedProgram
 from jlms._config import OffloadConfig, SyncMode
+from jlms._cost import time_target
+from jlms._fit import fit
 from jlms._liveness import analyse
-from jlms._planner import SwapIn, _plan_value, plan_offloads
+from jlms._planner import (SwapIn, _plan_value, joins_kernel, kernel_facts,
+                           plan_offloads, shared_kernels)
 from jlms._program import flatten
 
 
@@ -86,3 +93,23 @@ def test_bad_knobs_are_refused(bad):
 
 def test_sync_mode_accepts_ints():
   assert OffloadConfig(sync_mode=3).sync_mode is SyncMode.BOTH
+
+
+def test_the_fits_pair_test_agrees_with_shared_kernels():
+  # The greedy fit asks of the same pairs of recomputations round after
+  # round whether they share a kernel: from each chain's facts, found
+  # once, it must answer as `shared_kernels` does, joins included (a
+  # relu's mask joins its relu).
+  case = models.resnet_case(blocks=2, channels=8, image_size=32, batch=2)
+  step = AnalysedProgram.of(flatten(jax.make_jaxpr(case.step)(
+      *case.abstract_args())))
+  chains = [o.recompute for o in fit(
+      step.program, step.liveness, None, time_target("h100"), 4096,
+      step.fusion).offloads if o.is_recompute]
+  joined = 0
+  for first, second in itertools.product(chains, chains):
+    shared = shared_kernels(step.program, [first, second]) == [[0, 1]]
+    assert shared == joins_kernel(kernel_facts(step.program, first),
+                                  kernel_facts(step.program, second))
+    joined += shared
+  assert joined
