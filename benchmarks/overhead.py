@@ -26,7 +26,6 @@ import jax
 import jlms
 from benchmarks import models
 from benchmarks._output import write_json
-from jlms import _compat
 
 CASES = {
     "mlp": lambda: models.mlp_case(depth=16, width=1024, batch=1024),
@@ -41,13 +40,13 @@ def _barriers_only(step: jlms.OffloadedStep, args):
   """The step's rewritten schedule with the copies left out: made by the
   very call that made the program that runs, so that its barriers (anchored
   where XLA runs each fused equation) are that program's."""
-  analysis = step._analysis(args, {})[0]
-  closed = analysis.without_copies()
+  closed = step.jaxpr_without_copies(*args)
+  out_tree = jax.tree.structure(jax.eval_shape(step, *args))
 
   def run(*call_args):
     leaves = jax.tree.leaves(call_args)
-    outs = _compat.bind_jit(analysis.jit_params, closed, leaves)
-    return jax.tree.unflatten(analysis.out_tree, outs)
+    outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *leaves)
+    return jax.tree.unflatten(out_tree, outs)
 
   return jax.jit(run)
 

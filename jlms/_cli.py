@@ -64,7 +64,8 @@ import jax
 from jlms._budget import BudgetError, parse_budget
 from jlms._cost import time_target
 from jlms._fallback import OffloadError
-from jlms._offload import DEVICE, MINIMUM, OffloadedStep, offload
+from jlms._offload import OffloadedStep, offload
+from jlms._options import DEVICE, MINIMUM
 from jlms._report import plan_html
 from jlms._units import format_bytes
 from jlms._verify import OffloadIneffectiveWarning, compare_memory_of_call

@@ -17,47 +17,30 @@ raises instead).
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import functools
-import inspect
 import logging
-import time
 import warnings
 from typing import Callable, Sequence
 
 import jax
 
 from jlms import _compat
-from jlms._analysed import (AnalysedProgram, PlannedStep, PlanNeeded, failed,
-                            knobs_applied, placed_for, predict_times,
-                            predicted_baseline)
+from jlms._analysed import PlannedStep, placed_for
 from jlms._arguments import (SplitArguments, committed_where_they_are,
-                             complete_argnums, host_positions,
-                             split_arguments, traceable,
-                             with_state_on_device)
-from jlms._budget import (BudgetError, check_budget_against_target,
-                          host_pool_bytes, parse_budget)
+                             complete_argnums, with_state_on_device)
 from jlms._config import OffloadConfig, SyncMode
 from jlms._cost import time_target
 from jlms._fallback import (OffloadError, describe,
                             raise_unless_fallback_allowed, warn_fallback)
-from jlms._liveness import aval_nbytes
 from jlms._plan import Plan
-from jlms._program import flatten
-from jlms._progress import Progress
-from jlms._replan import PlanCounter
-from jlms._search import (DEVICE, KNOBS, MINIMUM, NOT_FALLEN_BACK_FROM,
-                          SearchOptions, SearchRequest, fastest_fit,
-                          fit_budget)
+from jlms._planning import StepPlanner
+from jlms._options import DEVICE, KNOBS, search_options
+from jlms._search import NOT_FALLEN_BACK_FROM, tradeoff
 from jlms._state import STATE_ON_HOST_COMPILER_OPTIONS
-from jlms._tradeoff import Tradeoff, TradeoffPoint
+from jlms._tradeoff import Tradeoff
 from jlms._units import format_bytes
-from jlms._variants import WayCache
 from jlms._verify import compare_memory_of_call
-from jlms._xla_memory import KNOWN_TARGETS, LOCAL_TARGET, target_memory_bytes
 
-_CACHE_SIZE = 32
 
 log = logging.getLogger("jlms")
 
@@ -88,9 +71,6 @@ class OffloadedStep:
         fun, static_argnums, static_argnames)
     donate_argnums, donate_argnames = complete_argnums(
         fun, donate_argnums, donate_argnames)
-    self._analyses: collections.OrderedDict = collections.OrderedDict()
-    self._plans = PlanCounter()
-    self._ways = WayCache()  # the placed ways of the steps planned last
     self.jit_options = dict(
         static_argnums=self._static_argnums,
         static_argnames=self._static_argnames,
@@ -113,46 +93,15 @@ class OffloadedStep:
     self.strict = strict
     self._verify = verify
     self._verified: set = set()
-    # The named budgets are told apart by identity below: a string equal to
-    # one (read from a command line, say) is made that one.
-    self.budget = next((named for named in (KNOBS, DEVICE, MINIMUM)
-                        if budget == named), budget)
-    self.target = target
+    options = search_options(
+        config, budget, target, min_bytes_given, host_budget, state_on_host,
+        self._name, bool(donate_argnums or donate_argnames))
+    self.budget, self.target = options.budget, target
     # The smallest value a budget's fit may move: the knob if given.
     self.min_bytes = min_bytes_given
-    self.host_budget = host_budget
-    if host_budget is not None:
-      parse_budget(host_budget)  # reject malformed budgets now
-    else:
-      host_pool_bytes()  # reject a malformed XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
-    if target is not None and target not in KNOWN_TARGETS:
-      # Where XLA confirms a budget; each has a time model.
-      raise ValueError(f"jlms.offload: unknown target {target!r}; valid "
-                       f"targets: {', '.join(KNOWN_TARGETS)}")
-    if self.budget not in (KNOBS, DEVICE, MINIMUM):
-      parse_budget(budget, lambda: 1)  # reject malformed budgets now
-      if target not in (None, LOCAL_TARGET) and not (
-          isinstance(budget, str) and budget.strip().endswith("%")):
-        check_budget_against_target(parse_budget(budget),
-                                    target_memory_bytes(target), target,
-                                    stacklevel=3)
-    if state_on_host not in (None, True, False):
-      raise TypeError("jlms.offload: state_on_host is True, False or None, "
-                      f"not {state_on_host!r}")
-    if state_on_host and self.budget is KNOBS:
-      raise ValueError(
-          "jlms.offload: state_on_host is planned under a budget; TFLMS's "
-          "knobs (min_bytes, swapout_threshold, ...) move activations only. "
-          "Pass budget= (or no knob) to keep the state on host")
-    if state_on_host and not (donate_argnums or donate_argnames):
-      raise ValueError(
-          "jlms.offload: state_on_host=True keeps on host the donated "
-          "arguments that the step returns updated (parameters, optimizer "
-          "state); donate them with donate_argnums or donate_argnames")
-    self.state_on_host = state_on_host
-    self._search_options = SearchOptions(
-        config, self.budget, target, min_bytes_given, host_budget,
-        state_on_host, self._name)
+    self.host_budget, self.state_on_host = host_budget, state_on_host
+    self._planner = StepPlanner(fun, self._name, options, self.jit_options,
+                                self._plain_jitted, strict)
     self._warned_state: set = set()
 
   def __repr__(self) -> str:
@@ -218,7 +167,7 @@ class OffloadedStep:
     key = self._failed_in_jlms(error, args, kwargs)
     if key is None:
       raise error
-    analysis = self._analyses[key]
+    analysis = self._planner.cached(key)
     raise_unless_fallback_allowed(
         error, self._name, strict=self.strict,
         budget=format_bytes(analysis.plan.budget_bytes)
@@ -252,7 +201,7 @@ class OffloadedStep:
       key = self._signature(args, kwargs)
     except TypeError:  # an argument jax.jit refuses too
       return None
-    analysis = self._analyses.get(key)
+    analysis = self._planner.cached(key)
     if analysis is None or not analysis.rewrites_the_step:
       return None
     return key
@@ -335,28 +284,8 @@ class OffloadedStep:
     `budgets` (bytes or sizes), by default `points` budgets from the least
     memory jlms reaches up to `jax.jit`'s predicted peak."""
     plain = self._runnable_analysis(args, kwargs).plain
-    request = self._search_request(plain, None, None, (), [None])
-    times = request.time
-    baseline = request.baseline
-    least = fastest_fit(request, None)[2]
-    if budgets is None:
-      low, high = int(1.01 * least.timeline.peak_bytes), baseline.peak_bytes
-      budgets = [int(low + (high - low) * i / max(points - 1, 1))
-                 for i in range(points)]
-    rows = []
-    for budget in budgets:
-      budget = parse_budget(budget)
-      try:
-        _, residuals, result = fastest_fit(request, budget)
-      except BudgetError:
-        rows.append(TradeoffPoint(budget, None, None, 0, 0, 0))
-        continue
-      rows.append(TradeoffPoint(
-          budget, result.timeline.peak_bytes, result.step_time,
-          result.recomputed, result.transferred, len(residuals)))
-    jit_time = predict_times(times, plain)[0]
-    return Tradeoff(tuple(rows), baseline.peak_bytes, jit_time,
-                    least.timeline.peak_bytes, times.name)
+    return tradeoff(self._planner.search_request(plain, None, None, (),
+                                                 [None]), budgets, points)
 
   def lower(self, *args, **kwargs) -> jax.stages.Lowered:
     """The `jax.stages.Lowered` of the program that runs: the rewritten
@@ -439,6 +368,18 @@ class OffloadedStep:
     as jax.jit's program)."""
     return self._runnable_analysis(args, kwargs).plan
 
+  def jaxpr(self, *args, **kwargs):
+    """The closed jaxpr that runs for these arguments: jlms's rewritten
+    program (its copies, barriers and recomputations), or the step as
+    traced where jlms leaves it as `jax.jit`'s. Raises `jlms.OffloadError`
+    where jlms failed for them."""
+    return self._runnable_analysis(args, kwargs).rewritten
+
+  def jaxpr_without_copies(self, *args, **kwargs):
+    """`jaxpr` with the same barriers and recomputations but no copies to
+    host: what a benchmark times to price the barriers alone."""
+    return self._runnable_analysis(args, kwargs).without_copies()
+
   def _runnable_analysis(self, args, kwargs) -> PlannedStep:
     """The analysis of these arguments; `OffloadError` where jlms failed
     to plan or compile them."""
@@ -461,141 +402,13 @@ class OffloadedStep:
 
   # -- internals -----------------------------------------------------------
   def _split(self, args, kwargs) -> SplitArguments:
-    return split_arguments(args, kwargs, self._static_argnums,
-                           self._static_argnames)
+    return self._planner.split(args, kwargs)
 
   def _signature(self, args, kwargs) -> tuple:
-    return self._split(args, kwargs).key()
+    return self._planner.signature(args, kwargs)
 
   def _analysis(self, args, kwargs) -> tuple[PlannedStep, list]:
-    """The cached analysis for these arguments, with their dynamic leaves."""
-    split = self._split(args, kwargs)
-    leaves = split.leaves
-    key = split.key()
-    cached = self._analyses.get(key)
-    if cached is not None:
-      self._analyses.move_to_end(key)
-      return cached, leaves
-    start = time.perf_counter()
-    progress = Progress(self._name, ticking=True)
-    progress.stage("tracing")
-    out_trees = []
-
-    def flat_fun(*flat):
-      out = split.call(self._fun, flat)
-      out_leaves, out_tree = jax.tree.flatten(out)
-      out_trees.append(out_tree)
-      return out_leaves
-
-    # JAX's errors name the function they trace: the user's step, with
-    # the flat signature of the leaves it is traced on.
-    flat_fun.__wrapped__ = self._fun
-    flat_fun.__signature__ = inspect.signature(lambda *flat: None)
-    try:
-      # Traced under a jit so that the jaxpr carries the params of a nested
-      # jit equation: the rewritten program is staged as one such equation.
-      closed = jax.make_jaxpr(jax.jit(flat_fun))(*traceable(leaves))
-    except (jax.errors.JAXTypeError, TypeError) as error:
-      raise self._traced_as_jax_jit(args, kwargs, error) from None
-    try:
-      analysis = self._planned(closed, leaves, out_trees,
-                               self._donated_leaves(args, kwargs),
-                               split.treedef, host_positions(leaves),
-                               progress)
-    except NOT_FALLEN_BACK_FROM:
-      raise
-    except Exception as error:  # jlms's failure, not the step's
-      analysis = self._planning_failed(error)
-    finally:
-      progress.done()
-    self._plans.record(time.perf_counter() - start, self._name)
-    self._analyses[key] = analysis
-    if len(self._analyses) > _CACHE_SIZE:
-      self._analyses.popitem(last=False)
-    return analysis, leaves
-
-  def _traced_as_jax_jit(self, args, kwargs, error: Exception) -> Exception:
-    """The error `jax.jit(step)` raises tracing these arguments, which
-    names the step and the argument's path as jax.jit does ("the argument
-    batch['x']"), with a note on jittability; `error` itself where jax.jit
-    traces them (the failure is then jlms's own)."""
-    try:
-      self._plain_jitted.trace(*args, **kwargs)
-    except (jax.errors.JAXTypeError, TypeError) as named:
-      if isinstance(named, jax.errors.JAXTypeError):
-        named.add_note(
-            f"jlms.offload({self._name}) traces the step like jax.jit "
-            "does: it must be jittable (mark Python-valued arguments "
-            "static with static_argnums/static_argnames).")
-      return named
-    return error
-
-  def _planned(self, closed, leaves, out_trees, donated=(),
-               treedef=None, arrived_on_host=(),
-               progress=None) -> PlannedStep:
-    """The analysis of the step traced as `closed`: its plan and the
-    program that runs."""
-    jit_params, debug_info = _compat.call_template(closed)
-    program = dataclasses.replace(flatten(closed), donated=tuple(donated))
-    plain = dataclasses.replace(
-        AnalysedProgram.of(program),
-        traced=_compat.call_body_closed(closed.jaxpr.eqns[0]),
-        argument_names=_argument_names(program, treedef, leaves))
-    request = self._search_request(plain, jit_params, debug_info, leaves,
-                                   out_trees, donated, arrived_on_host,
-                                   progress)
-    if self.budget is KNOBS:
-      analysis = knobs_applied(plain, request.baseline, jit_params,
-                               debug_info, out_trees, self.config,
-                               request.time)
-    else:
-      analysis = fit_budget(request)
-    analysis = dataclasses.replace(analysis, plain=plain)
-    if analysis.plan is not None and treedef is not None:
-      analysis = dataclasses.replace(analysis, plan=_with_kinds(
-          analysis.plan, analysis.state, plain.program, treedef,
-          out_trees[-1]))
-    return analysis
-
-  def _search_request(self, plain, jit_params, debug_info, leaves,
-                      out_trees, donated=(), arrived_on_host=(),
-                      progress=None) -> SearchRequest:
-    """What `jlms._search` fits for the step traced and analysed as
-    `plain`."""
-    return SearchRequest(
-        self._search_options, plain, predicted_baseline(plain), jit_params,
-        debug_info, tuple(leaves), out_trees, tuple(donated),
-        tuple(arrived_on_host), self._ways,
-        progress or Progress(self._name),
-        on_gpu=jax.default_backend() == "gpu")
-
-  def _planning_failed(self, error: Exception,
-                       needs_plan: bool = False) -> PlannedStep:
-    """The analysis of a step that jlms failed to plan, rewrite or stage:
-    it runs as jax.jit's program, with one warning; raises instead where
-    that is not allowed."""
-    budget = None
-    if isinstance(error, PlanNeeded):
-      budget, error = str(error), error.__cause__
-    elif needs_plan or self.budget not in (KNOBS, DEVICE, MINIMUM):
-      # A budget the user gave: jax.jit's program is not known to meet it.
-      budget = repr(self.budget)
-    raise_unless_fallback_allowed(error, self._name, strict=self.strict,
-                                  budget=budget)
-    warn_fallback(error, self._name, stacklevel=4)
-    return failed(error)
-
-  def _donated_leaves(self, args, kwargs) -> tuple[int, ...]:
-    """Positions, among a call's dynamic leaves, of those the step donates,
-    as jax.jit reads `donate_argnums` and `donate_argnames`."""
-    options = self.jit_options
-    if not options["donate_argnums"] and not options["donate_argnames"]:
-      return ()
-    # The step's own signature, which jax.jit maps argument names through.
-    signature_only = functools.wraps(self._fun)(lambda *a, **k: None)
-    traced = jax.jit(signature_only, **options).trace(*args, **kwargs)
-    return tuple(i for i, info in enumerate(jax.tree.leaves(traced.args_info))
-                 if info.donated)
+    return self._planner.planned(args, kwargs)
 
   def _rewritten(self, *args, **kwargs):
     analysis, leaves = self._analysis(args, kwargs)
@@ -605,8 +418,8 @@ class OffloadedStep:
                                 placed_for(leaves, analysis.state.inputs))
         return jax.tree.unflatten(analysis.out_tree, outs)
       except Exception as error:  # staging jlms's program: jlms's failure
-        self._analyses[self._signature(args, kwargs)] = (
-            self._planning_failed(error, analysis.needs_plan))
+        self._planner.failed_to_stage(args, kwargs, error,
+                                      analysis.needs_plan)
     return self._fun(*args, **kwargs)  # jax.jit's program, in this trace
 
   def _as_traced(self, *args, **kwargs):
@@ -787,39 +600,3 @@ def _to_pinned_host(arrays) -> list:
   """Copies of `arrays` in pinned host memory, by one jitted copy."""
   shardings = tuple(x.sharding for x in arrays)
   return list(_pinned_host_copy(shardings)(*arrays))
-
-
-
-
-def _argument_names(program, treedef, leaves) -> dict:
-  """value id -> the path of each input leaf in the step's arguments
-  ("[0]['blocks']['Dense_0']['kernel']": argument 0's)."""
-  if treedef is None:
-    return {}
-  tree = jax.tree.unflatten(treedef, list(range(len(leaves))))
-  names = {}
-  for path, position in jax.tree_util.tree_leaves_with_path(tree):
-    # The first key picks the positional arguments or the keywords.
-    names[program.invars[position]] = (
-        jax.tree_util.keystr(tuple(path[1:])) or f"argument {position}")
-  return names
-
-
-
-
-def _with_kinds(plan, state, program, treedef, out_tree):
-  """`plan` with `argument_kinds` and `output_kinds`: pytrees shaped like
-  the step's (dynamic) arguments and outputs, each leaf "device" or
-  "pinned_host", and the bytes of state on host."""
-  host_in, host_out = set(state.inputs), set(state.outputs)
-  in_kinds = ["pinned_host" if i in host_in else "device"
-              for i in range(len(program.invars))]
-  out_kinds = ["pinned_host" if i in host_out else "device"
-               for i in range(len(program.outvars))]
-  args, kwargs = jax.tree.unflatten(treedef, in_kinds)
-  return dataclasses.replace(
-      plan, argument_kinds=(args, kwargs) if kwargs else args,
-      output_kinds=jax.tree.unflatten(out_tree, out_kinds),
-      state_host_bytes=sum(aval_nbytes(program.avals[program.invars[i]])
-                           for i in state.inputs),
-      state_leaves=len(state.inputs))

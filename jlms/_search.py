@@ -23,37 +23,30 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
 from jlms._analysed import (AnalysedProgram, PlanNeeded, PlannedStep, as_is,
                             predict_times, rewrite_program,
                             rewrite_with_and_without_copies, serialized,
                             xla_peak)
-from jlms._budget import BudgetError, host_pool_bytes, parse_budget
-from jlms._config import OffloadConfig, SyncMode
+from jlms._budget import BudgetError, parse_budget
+from jlms._config import SyncMode
 from jlms._cost import time_target
 from jlms._fit import fit
 from jlms._liveness import aval_nbytes
 from jlms._plan import build_plan
+from jlms._options import DEVICE, SearchOptions
 from jlms._progress import Progress
 from jlms._sharding import abstract_arguments, unseen_split
 from jlms._state import HostState, host_state, state_pairs
+from jlms._tradeoff import Tradeoff, TradeoffPoint
 from jlms._units import format_bytes
 from jlms._variants import WayCache, placed_ways
 from jlms._xla_memory import (LOCAL_TARGET, DevicelessUnavailableError,
-                              check_local_gpu, target_memory_bytes,
-                              target_of_arguments)
+                              check_local_gpu, target_of_arguments)
 
 log = logging.getLogger("jlms")
 
-# What `budget` can be besides bytes or a size: TFLMS's knobs apply as given
-# (`KNOBS`, when knobs are passed and no budget), fit the memory of the
-# device the step is compiled for (`DEVICE`, the default), or use as little
-# device memory as jlms can reach (`MINIMUM`).
-KNOBS = "knobs"
-DEVICE = "device"
-MINIMUM = "min"
 #: XLA compiles of a plan at most (after the step as it is).
 CONFIRMATIONS = 2
 # A plan whose XLA peak leaves more than this share of the budget unused is
@@ -80,55 +73,6 @@ _STATE_MIN_BYTES = 64 << 10
 # program instead: a budget that cannot be met, a GPU target this machine
 # cannot compile for (the error says what to install).
 NOT_FALLEN_BACK_FROM = (BudgetError, DevicelessUnavailableError)
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchOptions:
-  """What the user asked of every fit of a step (`jlms.offload`'s
-  arguments)."""
-  config: OffloadConfig
-  budget: Any  # KNOBS, DEVICE, MINIMUM, or bytes or a size
-  target: str | None
-  min_bytes: int | None  # the `min_bytes` knob, if given
-  host_budget: Any
-  state_on_host: bool | None
-  name: str  # the step's, for messages
-
-  def budget_bytes(self, target: str | None) -> int | None:
-    """The budget in bytes per device; None for "as little as jlms can"
-    or when there is no device to fit (a CPU and no target named)."""
-    if self.budget is MINIMUM:
-      return None
-    if self.budget is DEVICE:
-      if target is None:
-        return None
-      return target_memory_bytes(target)
-    return parse_budget(self.budget,
-                        lambda: target_memory_bytes(target or "local"))
-
-  def host_budget_bytes(self, local: bool) -> int:
-    """Pinned host memory the plan may hold at once, per device:
-    `host_budget` if given, else XLA's pinned pool for each GPU
-    (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` GiB, 64 by default), and on a
-    `local` GPU never more than the memory this machine has available."""
-    if self.host_budget is not None:
-      return parse_budget(self.host_budget)
-    limit = host_pool_bytes()
-    if local:
-      try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        limit = min(limit, available)
-      except (ValueError, OSError):  # not reported on this system
-        pass
-    return limit
-
-  def min_bytes_for(self, budget: int | None) -> int:
-    """The smallest value worth a choice: the `min_bytes` knob if given,
-    else a 65536th of the budget (at least 4 KiB): smaller values cannot
-    change whether a step fits, only slow the search."""
-    if self.min_bytes is not None:
-      return self.min_bytes
-    return max(4096, (budget or 0) >> 16)
 
 
 def confirm_target(options: SearchOptions, leaves=(),
@@ -631,3 +575,31 @@ def relaxed_search(predicted: int, measured: int, budget: int) -> int | None:
     return None
   room = predicted * (budget / measured - 1)
   return int(predicted + 0.9 * room)
+
+
+def tradeoff(request: SearchRequest, budgets=None, points: int = 6
+             ) -> Tradeoff:
+  """Predicted step time against device budget: the fastest fit
+  (simulator and time model, no compile) of each budget in `budgets`
+  (bytes or sizes), by default `points` budgets from the least memory jlms
+  reaches up to `jax.jit`'s predicted peak."""
+  times, baseline = request.time, request.baseline
+  least = fastest_fit(request, None)[2]
+  if budgets is None:
+    low, high = int(1.01 * least.timeline.peak_bytes), baseline.peak_bytes
+    budgets = [int(low + (high - low) * i / max(points - 1, 1))
+               for i in range(points)]
+  rows = []
+  for budget in budgets:
+    budget = parse_budget(budget)
+    try:
+      _, residuals, result = fastest_fit(request, budget)
+    except BudgetError:
+      rows.append(TradeoffPoint(budget, None, None, 0, 0, 0))
+      continue
+    rows.append(TradeoffPoint(
+        budget, result.timeline.peak_bytes, result.step_time,
+        result.recomputed, result.transferred, len(residuals)))
+  jit_time = predict_times(times, request.plain)[0]
+  return Tradeoff(tuple(rows), baseline.peak_bytes, jit_time,
+                  least.timeline.peak_bytes, times.name)

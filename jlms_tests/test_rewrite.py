@@ -37,14 +37,13 @@ def test_rewritten_jaxpr_is_well_typed_and_matches_the_plan(sync_mode):
   step = jlms.offload(_mlp_step, min_bytes=1, swapout_threshold=4,
                       sync_mode=sync_mode)
   args = _args()
-  analysis = step._analysis(args, {})[0]
-  rewritten = analysis.rewritten
+  rewritten = step.jaxpr(*args)
   _compat.check_jaxpr(rewritten)
   eqns = rewritten.jaxpr.eqns
   puts = [e for e in eqns if _compat.is_device_put(e)]
   to_host = [e for e in puts if _on_host(e.outvars[0])]
   to_device = [e for e in puts if not _on_host(e.outvars[0])]
-  plan = analysis.plan
+  plan = step.plan(*args)
   assert plan.offloaded
   assert len(to_host) == len(plan.offloaded)
   assert len(to_device) == sum(v.swap_ins for v in plan.offloaded)
@@ -58,7 +57,7 @@ def test_rewritten_jaxpr_is_well_typed_and_matches_the_plan(sync_mode):
 
 def test_no_equation_reads_a_device_value_after_its_swap_out():
   step = jlms.offload(_mlp_step, min_bytes=1, swapout_threshold=4)
-  eqns = step._analysis(_args(), {})[0].rewritten.jaxpr.eqns
+  eqns = step.jaxpr(*_args()).jaxpr.eqns
   for position, eqn in enumerate(eqns):
     if _compat.is_device_put(eqn) and _on_host(eqn.outvars[0]):
       device_value = eqn.invars[0]
@@ -70,7 +69,7 @@ def test_no_equation_reads_a_device_value_after_its_swap_out():
 def test_swap_ins_come_before_their_reads_and_after_the_swap_out():
   step = jlms.offload(_mlp_step, min_bytes=1, swapout_threshold=4,
                       prefetch_ahead=1)
-  jaxpr = step._analysis(_args(), {})[0].rewritten.jaxpr
+  jaxpr = step.jaxpr(*_args()).jaxpr
   eqns = jaxpr.eqns
   outputs = {id(v) for v in jaxpr.outvars}
   position_of = {}
@@ -90,7 +89,7 @@ def test_swap_ins_come_before_their_reads_and_after_the_swap_out():
 
 def test_nothing_offloaded_means_no_transfers():
   step = jlms.offload(_mlp_step, min_bytes=1 << 40)
-  rewritten = step._analysis(_args(), {})[0].rewritten
+  rewritten = step.jaxpr(*_args())
   assert not any(_compat.is_device_put(e) for e in rewritten.jaxpr.eqns)
   assert step.plan(*_args()).offloaded == ()
 
