@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from jlms._serialize import parse_serialize
+
 
 class SyncMode(enum.IntFlag):
   """Which transfers compute waits for, as TFLMSv2's `sync_mode`.
@@ -85,7 +87,6 @@ class OffloadConfig:
         or self.serialize_by_size < 0):
       raise ValueError("jlms: serialize_by_size must be None or a "
                        f"non-negative int, got {self.serialize_by_size!r}")
-    from jlms._serialize import parse_serialize
     object.__setattr__(self, "serialize", parse_serialize(self.serialize))
     object.__setattr__(self, "sync_mode", SyncMode(self.sync_mode))
 

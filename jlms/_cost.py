@@ -44,6 +44,7 @@ from jlms import _compat, _rules
 from jlms._liveness import analyse
 from jlms._planner import chain_inputs, shared_kernels
 from jlms._program import Program, flatten
+from jlms._simulator import analyse_fusion
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +131,6 @@ def kernel_seconds(program: Program, target: GpuTarget, fusion=None,
                    liveness=None) -> np.ndarray:
   """Seconds of the kernel each equation of `program` runs, in jaxpr order;
   0 for an equation fused into a later one (its work is priced there)."""
-  from jlms._simulator import analyse_fusion  # the fusion model lives there
   if liveness is None:
     liveness = analyse(program)
   if fusion is None:

@@ -31,7 +31,8 @@ from jlms._liveness import Liveness
 from jlms._loops import find_scan_residuals
 from jlms._names import profile_scope
 from jlms._config import OffloadConfig
-from jlms._program import Equation, Program
+from jlms._cost import kernel_seconds
+from jlms._program import Equation, Program, flatten
 from jlms._retrace import atom_aval, traced_call
 
 
@@ -86,8 +87,6 @@ def cheapest(choices: tuple[LoopRemat, ...], fraction: float
 def _remake_seconds(forward: Equation, value: int, target) -> float:
   """Seconds, per iteration, to remake one residual slice from the layer's
   inputs: the forward body pruned to that output, priced on `target`."""
-  from jlms._cost import kernel_seconds  # the time model reads programs
-  from jlms._program import flatten
   layout = _compat.scan_layout(forward.eqn)
   position = forward.outputs.index(value)
   body = _compat.pruned_jaxpr(layout.body, [position])

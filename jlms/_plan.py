@@ -20,6 +20,7 @@ from jlms._loops import ScanResidual
 from jlms._names import elide
 from jlms._planner import Offload
 from jlms._program import Program
+from jlms._report import plan_html, plot_plan
 from jlms._schedule import StepTime
 from jlms._simulator import MemoryTimeline
 from jlms._units import format_bytes
@@ -233,11 +234,9 @@ class Plan:
   def plot(self, ax=None, *, show_budget: bool = True):
     """Device memory over one step with and without offloading, the budget
     line and the swaps (matplotlib); returns the Axes."""
-    from jlms._report import plot_plan
     return plot_plan(self, ax=ax, show_budget=show_budget)
 
   def _repr_html_(self) -> str:
-    from jlms._report import plan_html
     return plan_html(self)
 
   def __str__(self) -> str:

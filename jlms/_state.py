@@ -40,27 +40,16 @@ import types
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 
 from jlms import _compat, _rules
 from jlms._liveness import Liveness, aval_nbytes, analyse
 from jlms._loops import (ScanResidual, host_aval, offload_scan_residuals,
                          prefetching_reader, reads_only_as_scanned)
 from jlms._names import profile_scope
-from jlms._program import Const, Equation, Program, donation_pairs
-from jlms._update_fusion import (CannotFuse, fusable_run, fused_update_loop,
-                                 is_sliceable)
-
-# The leading axis a leaf's update loop runs over: at least 2 iterations
-# (XLA refuses a one-slice host stack, see `jlms._loops`), one slice each
-# for at most this many; a longer leading axis (an embedding table's rows)
-# is taken in `_CHUNKS` or a few more chunks of rows, so that the loop is
-# not tens of thousands of tiny iterations.
-_MAX_LOOP_LENGTH = 4096
-_CHUNKS = 16
-# A leaf smaller than this is copied whole: a loop buys nothing.
-_MIN_STREAMED_BYTES = 1 << 20
-
+from jlms._program import Equation, Program, donation_pairs
+from jlms._update_fusion import CannotFuse, fusable_run, fused_update_loop
+from jlms._update_loops import (CannotLoop, reads_on_device, update_loop,
+                                update_runs)
 
 # Compiler options for a program whose state is on host. XLA's
 # rematerialization pass takes every argument and output of the program to
@@ -256,113 +245,6 @@ def _reading_from_host(eqn, positions: set[int], labels: dict[int, str]):
                                 invars=invars)
 
 
-def _reads_on_device(equation: Equation, value: int) -> bool:
-  """Whether `equation` reads `value` as a device array (not as a host
-  stack that it reads slice by slice itself)."""
-  return any(a == value and not _compat.is_host_aval(v.aval)
-             for a, v in zip(equation.inputs, equation.eqn.invars))
-
-
-def _loop_rows(shape) -> int | None:
-  """The rows of a leaf of `shape` that one iteration of its update loop
-  takes: 1 for a leading axis of 2 to `_MAX_LOOP_LENGTH`; for a longer
-  one, the rows of the fewest chunks, at least `_CHUNKS`, that divide it;
-  None when there are none."""
-  rows = shape[0]
-  if rows <= _MAX_LOOP_LENGTH:
-    return 1 if rows >= 2 else None
-  chunks = next((c for c in range(_CHUNKS, _MAX_LOOP_LENGTH + 1)
-                 if rows % c == 0), None)
-  return None if chunks is None else rows // chunks
-
-
-def _streamable(aval) -> bool:
-  shape = tuple(aval.shape)
-  return (len(shape) >= 2 and _loop_rows(shape) is not None
-          and aval_nbytes(aval) >= _MIN_STREAMED_BYTES)
-
-
-class _CannotLoop(Exception):
-  """A run that no update loop can make: its leaf is taken in chunks of
-  rows and the run makes stacks besides the state it updates in place.
-  Its reads then take whole copies."""
-
-
-def _update_runs(program: Program, liveness: Liveness,
-                 on_host: set[int]) -> list[list[int]]:
-  """Runs of sliceable equations that read state on host, each closed
-  over the sliceable equations that read what it makes, and those whose
-  results only it reads; split into runs connected by the values they
-  make, each cut where an equation outside it reads what it makes before
-  its last equation."""
-  n = len(program)
-  shapes = {}
-  for value in on_host:
-    if _streamable(program.avals[value]):
-      shapes[value] = tuple(program.avals[value].shape)
-  member: dict[int, tuple] = {}  # equation index -> its leaf shape
-  work = []
-  for value, shape in shapes.items():
-    for r in liveness.uses[value]:
-      if (r < n and r not in member and _reads_on_device(
-          program.equations[r], value)
-          and is_sliceable(program.equations[r], program, shape)):
-        member[r] = shape
-        work.append(r)
-  while work:
-    index = work.pop()
-    shape = member[index]
-    equation = program.equations[index]
-    for out in equation.outputs:  # readers of what it makes
-      for r in liveness.uses[out]:
-        if r < n and r not in member and is_sliceable(
-            program.equations[r], program, shape):
-          member[r] = shape
-          work.append(r)
-    for atom in equation.inputs:  # makers of what only the run reads
-      if not isinstance(atom, int) or atom in on_host:
-        continue
-      maker = liveness.producer[atom]
-      if (maker < 0 or maker in member or not is_sliceable(
-          program.equations[maker], program, shape)):
-        continue
-      made = program.equations[maker].outputs
-      if all(r in member and member[r] == shape
-             for v in made for r in liveness.uses[v]):
-        member[maker] = shape
-        work.append(maker)
-  # Connected by made values (union-find).
-  parent = {i: i for i in member}
-
-  def root(i):
-    while parent[i] != i:
-      parent[i] = parent[parent[i]]
-      i = parent[i]
-    return i
-
-  for index in member:
-    for out in program.equations[index].outputs:
-      for r in liveness.uses[out]:
-        if r in member and member[r] == member[index]:
-          parent[root(r)] = root(index)
-  runs: dict[int, list[int]] = {}
-  for index in sorted(member):
-    runs.setdefault(root(index), []).append(index)
-  result = []
-  for run in runs.values():
-    while run:
-      inside = set(run)
-      last = run[-1]
-      early = [r for i in run for v in program.equations[i].outputs
-               for r in liveness.uses[v] if r not in inside and r < last]
-      if not early:
-        break
-      run = [i for i in run if i < min(early)]
-    if run:
-      result.append(run)
-  return result
-
-
 def _stream_state(program: Program, state: HostState, names: dict[int, str]
                   ) -> tuple[Program, tuple[StateCopy, ...], list[int]]:
   """The update loops, whole copies and output copies of
@@ -394,7 +276,7 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
              for i, o in (*zip(state.inputs, state.outputs),
                           *state.on_device)
              if isinstance(program.outvars[o], int)}
-  runs = _update_runs(program, liveness, on_host)
+  runs = update_runs(program, liveness, on_host)
   removed: set[int] = set()
   # Updates run inside the loop that makes their gradients where they can
   # (`jlms._update_fusion`): index of that loop -> its replacement.
@@ -406,7 +288,7 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
   # its gradient stack is then not made (on the 6.58B GPT, 8 GiB a leaf).
   device_state = {program.invars[i] for i, _ in state.on_device}
   in_runs = {i for run in runs for i in run}
-  device_runs = [run for run in _update_runs(program, liveness, device_state)
+  device_runs = [run for run in update_runs(program, liveness, device_state)
                  if not in_runs & set(run)]
   for run in runs + device_runs:
     loop, extended = fusable_run(program, liveness, run)
@@ -434,10 +316,10 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
   outvars = list(program.outvars)
   for run in runs:
     try:
-      loop, to_device, to_host, host_outs = _update_loop(
+      loop, to_device, to_host, host_outs = update_loop(
           program, liveness, run, on_host, host_outputs, output_readers,
           updated, label, new_id)
-    except _CannotLoop:
+    except CannotLoop:
       continue
     loop_at[run[-1]] = loop
     removed.update(run)
@@ -451,7 +333,7 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
   renamed: dict[int, dict[int, int]] = {}  # index -> {host id: device id}
   for value in sorted(on_host):
     readers = [r for r in liveness.uses[value] if r < n and r not in removed
-               and _reads_on_device(program.equations[r], value)]
+               and reads_on_device(program.equations[r], value)]
     if not readers:
       continue
     first = readers[0]
@@ -539,229 +421,3 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
                                   equations=tuple(equations),
                                   avals=tuple(avals))
   return rewritten, tuple(copies), index_of
-
-
-def _update_loop(program: Program, liveness: Liveness, run: list[int],
-                 on_host: set[int], host_outputs: set[int],
-                 output_readers: dict, updated: dict[int, int], label,
-                 new_id) -> tuple[tuple[Equation, ...], int, int, list[int]]:
-  """The scan equation that runs the equations of `run` one leading slice
-  (or chunk of rows, see `_loop_rows`) at a time. State on host is read
-  slice by slice from host, an iteration ahead; a state leaf
-  whose update (`updated`: input value -> output value) the run makes is
-  updated in place, its host buffer carried through the loop and each
-  updated slice written over the slice it was read from (the donated
-  buffer is the output's: XLA allocates no second one); other updated
-  state that is only an output of the step is written slice by slice to
-  a new host stack. Returns it, the bytes it moves to the device and to
-  host, and the values it makes on host (the caller places their avals
-  there). The scan comes last, after the equations that fetch its first
-  slices. Raises `_CannotLoop` for a chunked run that makes stacks."""
-  inside = set(run)
-  made = {v for i in run for v in program.equations[i].outputs}
-  shape = tuple(program.avals[program.equations[run[0]].outputs[0]].shape)
-  scalars, device_stacks, host_stacks = [], [], []
-  for index in run:
-    for atom in program.equations[index].inputs:
-      if not isinstance(atom, int) or atom in made:
-        continue
-      if atom in scalars or atom in device_stacks or atom in host_stacks:
-        continue
-      if tuple(program.avals[atom].shape) != shape:
-        scalars.append(atom)
-      elif atom in on_host:
-        host_stacks.append(atom)
-      else:
-        device_stacks.append(atom)
-  outputs, host_outs, only_outputs = [], [], set()
-  for value in sorted(made):
-    readers = [r for r in liveness.uses[value] if r not in inside]
-    if not readers:
-      continue
-    if readers == [len(program)]:
-      only_outputs.add(value)
-    if readers == [len(program)] and any(
-        p in host_outputs for p in output_readers.get(value, ())):
-      host_outs.append(value)
-    else:
-      outputs.append(value)
-  # In place: (input, its update) pairs of donated state that the run reads
-  # last and makes as nothing but the step's output (on host, or on the
-  # device for state that stays there).
-  carried = [(h, updated[h]) for h in host_stacks + device_stacks
-             if updated.get(h) in only_outputs
-             and liveness.uses[h][-1] <= run[-1]]
-  carried_outs = {o for _, o in carried}
-  streamed_outs = [v for v in host_outs if v not in carried_outs]
-  outputs = [v for v in outputs if v not in carried_outs]
-  carried_on_device = {h for h, _ in carried if h in device_stacks}
-  scanned = [v for v in device_stacks if v not in carried_on_device]
-  equations = [program.equations[i] for i in run]
-  rows = _loop_rows(shape)
-  length = shape[0] // rows
-  # Chunks of rows keep their leading axis (single slices drop it); the
-  # stacks the loop makes would come out chunked, so a chunked run makes
-  # none.
-  chunked = rows > 1
-  if chunked and (outputs or streamed_outs):
-    raise _CannotLoop
-  slice_shape = (rows, *shape[1:]) if chunked else shape[1:]
-
-  def read_rows(buffer, index):
-    # The leading axis is kept: before the loop the index is a constant,
-    # and XLA's host offloader refuses a host slice reshaped before its
-    # copy once SPMD has partitioned it. A single slice drops it where it
-    # is read (`as_read`), on the device.
-    return jax.lax.dynamic_slice_in_dim(buffer, index * rows, rows)
-
-  def as_read(rows_read):
-    return rows_read if chunked else jnp.squeeze(rows_read, 0)
-
-  def write_rows(buffer, value, index):
-    return jax.lax.dynamic_update_slice_in_dim(
-        buffer, value if chunked else value[None], index * rows, 0)
-
-  def call(scalar_values, device_values, host_values):
-    # Traced on device values: the copies to host made here are cut off
-    # below, so that the loop takes the program's host values.
-    buffers_of = dict(zip(host_stacks, (
-        jax.device_put(v, jax.memory.Space.Host) for v in host_values)))
-    buffers_of.update(zip(device_stacks, device_values))
-    read_only = {h: buffers_of[h] for h in host_stacks
-                 if h not in dict(carried)}
-
-    host_carried = [k for k, (h, _) in enumerate(carried)
-                    if h not in carried_on_device]
-    fetched_names = list(read_only) + [carried[k][0] for k in host_carried]
-
-    def slice_in(h, buffer, index):
-      # The last iteration fetches its own slice again, and drops it.
-      index = jnp.minimum(index, length - 1)
-      with jax.named_scope(profile_scope("swap_in", label(h))):
-        return jax.device_put(read_rows(buffer, index),
-                              jax.memory.Space.Device)
-
-    def slice_out(out, buffer, value, index):
-      with jax.named_scope(profile_scope("swap_out", label(out))):
-        return write_rows(
-            buffer, jax.device_put(value, jax.memory.Space.Host), index)
-
-    def iteration(state, device_slices):
-      # The slices of state on host are fetched an iteration ahead. A
-      # buffer updated in place gives its next slice and takes its updated
-      # one in either order, one after the other; so the buffers are split
-      # in two halves that go in opposite orders, and each half's copies in
-      # run beside the other half's copies out, on the other engine.
-      index, buffers, prefetched = state
-      env = dict(zip(scalars, scalar_values))
-      env.update(zip(scanned, device_slices))
-      env.update((h, as_read(fetched))
-                 for h, fetched in zip(fetched_names, prefetched))
-      for (h, _), buffer in zip(carried, buffers):
-        if h in carried_on_device:
-          env[h] = as_read(read_rows(buffer, index))
-      for equation in equations:
-        args = [a.value if isinstance(a, Const) else env[a]
-                for a in equation.inputs]
-        if _compat.is_scalar_broadcast(equation.eqn):
-          results = [_compat.broadcast_scalar(equation.eqn, args[0],
-                                              slice_shape)]
-        else:
-          results = _compat.bind_equation(equation.eqn, args)
-        env.update(zip(equation.outputs, results))
-      new_buffers = list(buffers)
-      for k, ((h, out), buffer) in enumerate(zip(carried, buffers)):
-        if h in carried_on_device:
-          new_buffers[k] = write_rows(buffer, env[out], index)
-      next_of = {h: slice_in(h, buffer, index + 1)
-                 for h, buffer in read_only.items()}
-      half = (len(host_carried) + 1) // 2
-      reads_first, writes_first = host_carried[:half], host_carried[half:]
-      for k in reads_first:
-        h = carried[k][0]
-        next_of[h] = slice_in(h, buffers[k], index + 1)
-      for k in writes_first:
-        h, out = carried[k]
-        new_buffers[k] = slice_out(out, buffers[k], env[out], index)
-      for k in reads_first:
-        # Written only once its next slice has been read from it.
-        h, out = carried[k]
-        buffer, next_of[h] = jax.lax.optimization_barrier(
-            (buffers[k], next_of[h]))
-        new_buffers[k] = slice_out(out, buffer, env[out], index)
-      for k in writes_first:
-        h = carried[k][0]
-        next_of[h] = slice_in(h, new_buffers[k], index + 1)
-      ys = [env[v] for v in outputs]
-      for value in streamed_outs:
-        with jax.named_scope(profile_scope("swap_out", label(value))):
-          ys.append(jax.device_put(env[value], jax.memory.Space.Host))
-      return (index + 1, new_buffers,
-              [next_of[h] for h in fetched_names]), ys
-
-    first = [buffers_of[h] for h, _ in carried]
-    first_of = dict(read_only)
-    first_of.update((carried[k][0], first[k]) for k in host_carried)
-    start = [slice_in(h, first_of[h], jnp.int32(0)) for h in fetched_names]
-    # A chunked stack on the device is scanned as (chunks, rows, ...): a
-    # reshape XLA makes a bitcast.
-    xs = [jnp.reshape(buffers_of[v], (length, *slice_shape)) if chunked
-          else buffers_of[v] for v in scanned]
-    (_, buffers, _), ys = jax.lax.scan(
-        iteration, (jnp.int32(0), first, start), xs, length=length)
-    return buffers, ys
-
-  def device_aval(value):
-    aval = program.avals[value]
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype,
-                                weak_type=getattr(aval, "weak_type", False))
-
-  traced = jax.make_jaxpr(call)(
-      [device_aval(v) for v in scalars],
-      [device_aval(v) for v in device_stacks],
-      [device_aval(v) for v in host_stacks])
-  jaxpr = traced.jaxpr
-  n_scalars, n_device = len(scalars), len(device_stacks)
-  ids = dict(zip(jaxpr.invars, scalars + device_stacks + host_stacks))
-  host_inputs = set(jaxpr.invars[n_scalars + n_device:])
-  consts = dict(zip(jaxpr.constvars, traced.consts))
-  name_stack = program.equations[run[0]].name_stack
-
-  def atoms(eqn):
-    inputs = []
-    for var in eqn.invars:
-      if isinstance(var, _compat.Literal):
-        inputs.append(Const(var.val, literal=var))
-      elif var in ids:
-        inputs.append(ids[var])
-      else:
-        inputs.append(Const(consts[var]))
-    return tuple(inputs)
-
-  loop = []  # the first slices' fetch, then the scan
-  for eqn in jaxpr.eqns:
-    if _compat.is_device_put(eqn) and eqn.invars[0] in host_inputs:
-      ids[eqn.outvars[0]] = ids[eqn.invars[0]]  # cut: the program's host value
-    elif eqn.primitive is _compat.scan_p:
-      # Outputs: the loop counter and the last fetch (unused), the buffers
-      # updated in place, the stacks it makes (on the device, then host).
-      n_fetched = len(eqn.outvars) - 1 - len(carried) - len(outputs) - len(
-          streamed_outs)
-      outs = ([new_id(eqn.outvars[0].aval)] + [o for _, o in carried]
-              + [new_id(v.aval) for v in eqn.outvars[1 + len(carried):][
-                  :n_fetched]]
-              + outputs + streamed_outs)
-      loop.append(Equation(eqn, atoms(eqn), tuple(outs), name_stack))
-    else:  # the first fetch: index arithmetic, a slice, a device_put
-      outs = []
-      for var in eqn.outvars:
-        ids[var] = new_id(var.aval)
-        outs.append(ids[var])
-      loop.append(Equation(eqn, atoms(eqn), tuple(outs), name_stack))
-  if not loop or loop[-1].eqn.primitive is not _compat.scan_p:
-    raise AssertionError("an update loop traced no scan")
-  # Each stack on host is read once, plus one slice fetched twice.
-  to_device = sum(aval_nbytes(program.avals[v]) for v in host_stacks
-                  ) * (length + 1) // length
-  to_host = sum(aval_nbytes(program.avals[v]) for v in host_outs)
-  return tuple(loop), to_device, to_host, host_outs

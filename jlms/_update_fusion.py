@@ -63,7 +63,7 @@ class CannotFuse(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class _Run:
-  """One update run (`jlms._state._update_runs`), sorted by role."""
+  """One update run (`jlms._update_loops.update_runs`), sorted by role."""
   equations: tuple[int, ...]
   slice_shape: tuple[int, ...]
   gradients: tuple[int, ...]  # stacks the loop makes, read by the run

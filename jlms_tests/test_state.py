@@ -18,7 +18,7 @@ import pytest
 from flax.training import train_state
 
 import jlms
-from jlms import _state
+from jlms import _state, _update_loops
 from jlms._liveness import analyse
 from jlms._config import OffloadConfig
 from jlms._program import flatten
@@ -56,7 +56,7 @@ def _assert_close(actual, expected, tolerance=1e-5):
 def stream_small_leaves(monkeypatch):
   # The test models' leaves are KiB, not MiB: stream them anyway, so that
   # the update loops run (and are checked) here.
-  monkeypatch.setattr(_state, "_MIN_STREAMED_BYTES", 1)
+  monkeypatch.setattr(_update_loops, "_MIN_STREAMED_BYTES", 1)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jlms
-from jlms import _compat, _state
+from jlms import _compat, _state, _update_loops
 from jlms._config import OffloadConfig
 from jlms._liveness import analyse
 from jlms._loops import find_scan_residuals
@@ -21,7 +21,7 @@ LAYERS, WIDTH = 4, 16
 @pytest.fixture(autouse=True)
 def stream_small_leaves(monkeypatch):
   # The leaves here are KiB: stream them anyway.
-  monkeypatch.setattr(_state, "_MIN_STREAMED_BYTES", 1)
+  monkeypatch.setattr(_update_loops, "_MIN_STREAMED_BYTES", 1)
 
 
 def _adam_step(clip: bool):
