@@ -10,7 +10,7 @@ per byte it frees, and simulates again.
 
 - A recomputation re-emits the pure equations that made the value, back to
   inputs that are step inputs or values on the device at the far read
-  (at most `_MAX_CHAIN`): mostly elementwise chains XLA fuses into one
+  (at most `Thresholds.recompute_max_chain`): mostly elementwise chains XLA fuses into one
   memory-bound kernel (a BatchNorm's normalisation, a relu, a mask), and
   where it pays, a convolution or matmul, priced as `jlms._cost` prices it.
   A value such a recomputation reads may still move, if it is back on the
@@ -50,7 +50,7 @@ import time
 
 import numpy as np
 
-from jlms import _compat
+from jlms import _compat, _thresholds
 from jlms._cost import GpuTarget, kernel_seconds, recompute_seconds
 from jlms._liveness import Liveness
 from jlms._units import format_bytes
@@ -65,7 +65,6 @@ from jlms._budget import BudgetError
 
 log = logging.getLogger("jlms")
 
-_MAX_CHAIN = 64  # equations re-emitted for one recomputation, at most
 _EXACT_PER_ROUND = 4  # options priced by the schedule model each round
 _HIDE_MARGIN = 1.1  # a copy is hidden by 10% more compute than it takes
 
@@ -172,7 +171,7 @@ class _Problem:
   def recompute(self, value: int, near: int, far: int,
                 moved: dict) -> _Option | None:
     """Remake `value` before `far` from values alive there, by at most
-    `_MAX_CHAIN` pure equations."""
+    `Thresholds.recompute_max_chain` pure equations."""
     liveness, fusion, program = self.liveness, self.fusion, self.program
     chain: set[int] = set()
     leaves: set[int] = set()
@@ -185,7 +184,7 @@ class _Problem:
       if not _compat.is_recomputable(equation.eqn):
         return None
       chain.add(index)
-      if len(chain) > _MAX_CHAIN:
+      if len(chain) > _thresholds.THRESHOLDS.recompute_max_chain:
         return None
       for atom in equation.inputs:
         if not isinstance(atom, int):

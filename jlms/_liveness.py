@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from jlms import _compat
+from jlms import _compat, _thresholds
 from jlms._program import Program
 from jlms._sharding import device_shape
 
@@ -111,10 +111,12 @@ def largest_equation(program: Program, liveness: Liveness) -> tuple[int, int]:
 
 
 def is_expansion(program: Program, liveness: Liveness, value: int) -> bool:
-  """Whether `value` is made from inputs at least 4 times smaller (a
-  broadcast, an iota, a fill): cheap to recompute wherever it is read, and
-  not worth a buffer of its own."""
+  """Whether `value` is made from inputs at least
+  `Thresholds.expansion_factor` (4) times smaller (a broadcast, an iota,
+  a fill): cheap to recompute wherever it is read, and not worth a buffer
+  of its own."""
   equation = program.equations[liveness.producer[value]]
   inputs = sum(liveness.nbytes[a] for a in equation.inputs
                if isinstance(a, int))
-  return 4 * inputs <= liveness.nbytes[value]
+  return (_thresholds.THRESHOLDS.expansion_factor * inputs
+          <= liveness.nbytes[value])

@@ -10,7 +10,7 @@ for a mask and a fill, beside a 2 GiB peak). Made inside the loop body they
 cost nothing: XLA fuses a broadcast into the kernel that reads it.
 
 Two pure steps: `loop_sinks` finds the loop inputs made by a short chain of
-fusible, pure equations from values at least `_EXPANSION` times smaller
+fusible, pure equations from values `Thresholds.expansion_factor` times smaller
 (analysis); `sink_into_loops` returns the new `Program` whose scans take
 the small values and run the chain in their body (rewrite). The new scans
 are traced from Python with public `jax.lax.scan`, so JAX writes their
@@ -29,19 +29,18 @@ import logging
 
 import jax
 
-from jlms import _compat, _rules
+from jlms import _compat, _rules, _thresholds
 from jlms._liveness import Liveness
 from jlms._program import Const, Equation, Program
 from jlms._retrace import Retraced, traced_equations
 
 log = logging.getLogger("jlms")
 
-#: A loop input is sunk only when the values its chain starts from are at
-#: least this many times smaller than it: a broadcast, an iota, a mask.
-_EXPANSION = 4
-#: The longest chain re-run per iteration (an iota, a compare, a select and
-#: a broadcast make a causal mask).
-_MAX_CHAIN = 16
+# A loop input is sunk only when the values its chain starts from are at
+# least `Thresholds.expansion_factor` times smaller than it (a broadcast,
+# an iota, a mask), by a chain of at most `Thresholds.loop_sink_max_chain`
+# equations (an iota, a compare, a select and a broadcast make a causal
+# mask), from `Thresholds.loop_sink_min_bytes` on (`jlms._thresholds`).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +54,13 @@ class LoopSink:
 
 
 def loop_sinks(program: Program, liveness: Liveness,
-               min_bytes: int = 1 << 20) -> tuple[LoopSink, ...]:
+               min_bytes: int | None = None) -> tuple[LoopSink, ...]:
   """The consts (of at least `min_bytes`) of each scan that a chain of at
-  most `_MAX_CHAIN` pure fusible equations makes from values at least
-  `_EXPANSION` times smaller."""
+  most `loop_sink_max_chain` pure fusible equations makes from values at
+  least `expansion_factor` times smaller (`jlms._thresholds`; `min_bytes`
+  None: its `loop_sink_min_bytes`)."""
+  if min_bytes is None:
+    min_bytes = _thresholds.THRESHOLDS.loop_sink_min_bytes
   found = []
   for index, equation in enumerate(program.equations):
     if equation.primitive is not _compat.scan_p:
@@ -76,14 +78,17 @@ def loop_sinks(program: Program, liveness: Liveness,
 
 def _expansion_chain(program: Program, liveness: Liveness, value: int):
   """(chain, leaves) making `value` by pure fusible equations from leaves
-  `_EXPANSION` times smaller, or None."""
+  `expansion_factor` times smaller, or None."""
+  expansion = _thresholds.THRESHOLDS.expansion_factor
+  max_chain = _thresholds.THRESHOLDS.loop_sink_max_chain
   chain: set[int] = set()
   leaves: set[int] = set()
   pending = [value]
   while pending:
     current = pending.pop()
     index = liveness.producer[current]
-    if index < 0 or 4 * liveness.nbytes[current] < liveness.nbytes[value]:
+    if index < 0 or expansion * liveness.nbytes[current] < liveness.nbytes[
+        value]:
       leaves.add(current)  # a step input, or already small
       continue
     if index in chain:
@@ -92,14 +97,15 @@ def _expansion_chain(program: Program, liveness: Liveness, value: int):
     if not (_rules.is_fusible_equation(eqn) and _compat.is_recomputable(eqn)):
       return None
     chain.add(index)
-    if len(chain) > _MAX_CHAIN:
+    if len(chain) > max_chain:
       return None
     for atom in program.equations[index].inputs:
       if not isinstance(atom, Const):
         pending.append(atom)
       elif atom.literal is None:
         return None  # a captured array: the scan would close over it
-  if _EXPANSION * sum(liveness.nbytes[v] for v in leaves) > liveness.nbytes[value]:
+  if expansion * sum(liveness.nbytes[v] for v in leaves) > liveness.nbytes[
+      value]:
     return None
   return tuple(sorted(chain)), tuple(sorted(leaves))
 

@@ -13,6 +13,7 @@ import dataclasses
 import os
 from typing import Any
 
+from jlms import _thresholds
 from jlms._budget import (check_budget_against_target, host_pool_bytes,
                           parse_budget)
 from jlms._config import OffloadConfig
@@ -68,11 +69,12 @@ class SearchOptions:
 
   def min_bytes_for(self, budget: int | None) -> int:
     """The smallest value worth a choice: the `min_bytes` knob if given,
-    else a 65536th of the budget (at least 4 KiB): smaller values cannot
+    else a 65536th of the budget (at least `Thresholds.fit_min_bytes`, 4
+    KiB): smaller values cannot
     change whether a step fits, only slow the search."""
     if self.min_bytes is not None:
       return self.min_bytes
-    return max(4096, (budget or 0) >> 16)
+    return max(_thresholds.THRESHOLDS.fit_min_bytes, (budget or 0) >> 16)
 
 
 

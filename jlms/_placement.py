@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jlms import _compat, _rules
+from jlms import _rules
 from jlms._liveness import Liveness
 from jlms._program import Equation, Program
 

@@ -25,6 +25,7 @@ import dataclasses
 import logging
 from typing import Any
 
+from jlms import _thresholds
 from jlms._analysed import (AnalysedProgram, PlanNeeded, PlannedStep, as_is,
                             predict_times, rewrite_program,
                             rewrite_with_and_without_copies, serialized,
@@ -66,9 +67,6 @@ _LEAST_PEAK_SLACK = 1.01
 # Under a budget, the optimizer's moments go to host in steps of this share
 # of their bytes, the largest leaves first, until the plan fits.
 _STATE_LEVEL_SHARE = 0.125
-# A state leaf is worth a copy of its own from 64 KiB (each copy costs a
-# transfer's latency, about 10 us).
-_STATE_MIN_BYTES = 64 << 10
 # Failures that are the user's to act on, never hidden by running jax.jit's
 # program instead: a budget that cannot be met, a GPU target this machine
 # cannot compile for (the error says what to install).
@@ -260,7 +258,8 @@ def state_levels(request: SearchRequest) -> list:
         tuple(i for i, _ in on_host), tuple(o for _, o in on_host),
         tuple(p for p in pairs if p not in on_host)))]
   least = (options.min_bytes if options.min_bytes is not None
-           else max(options.min_bytes_for(budget), _STATE_MIN_BYTES))
+           else max(options.min_bytes_for(budget),
+                    _thresholds.THRESHOLDS.state_leaf_min_bytes))
   everything = host_state(program, liveness, pairs, min_bytes=least)
   if not everything:
     if options.state_on_host:

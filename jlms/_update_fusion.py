@@ -335,7 +335,6 @@ def fused_update_loop(program: Program, liveness: Liveness, loop: int,
     if any(program.avals[s].shape[0] != length
            or not _compat.has_plain_layout(program.avals[s]) for s in stacks):
       raise CannotFuse
-  n = len(program)
   inside = {i for run in runs for i in run}
   # A gradient read by nothing but the update is not stacked at all.
   dropped = {g for g in gradients

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jlms import _compat
+from jlms import _compat, _thresholds
 from jlms._liveness import Liveness, aval_nbytes
 from jlms._names import profile_scope
 from jlms._program import Const, Equation, Program
@@ -33,8 +33,6 @@ from jlms._update_fusion import is_sliceable
 # not tens of thousands of tiny iterations.
 _MAX_LOOP_LENGTH = 4096
 _CHUNKS = 16
-# A leaf smaller than this is copied whole: a loop buys nothing.
-_MIN_STREAMED_BYTES = 1 << 20
 
 
 
@@ -61,7 +59,9 @@ def _loop_rows(shape) -> int | None:
 def _streamable(aval) -> bool:
   shape = tuple(aval.shape)
   return (len(shape) >= 2 and _loop_rows(shape) is not None
-          and aval_nbytes(aval) >= _MIN_STREAMED_BYTES)
+          # A smaller leaf is copied whole: a loop buys nothing.
+          and aval_nbytes(aval)
+          >= _thresholds.THRESHOLDS.streamed_leaf_min_bytes)
 
 
 class CannotLoop(Exception):

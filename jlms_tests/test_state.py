@@ -6,6 +6,7 @@ peak stays flat in depth (slow tier)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 
@@ -18,7 +19,7 @@ import pytest
 from flax.training import train_state
 
 import jlms
-from jlms import _state, _update_loops
+from jlms import _state, _thresholds
 from jlms._liveness import analyse
 from jlms._config import OffloadConfig
 from jlms._program import flatten
@@ -56,7 +57,8 @@ def _assert_close(actual, expected, tolerance=1e-5):
 def stream_small_leaves(monkeypatch):
   # The test models' leaves are KiB, not MiB: stream them anyway, so that
   # the update loops run (and are checked) here.
-  monkeypatch.setattr(_update_loops, "_MIN_STREAMED_BYTES", 1)
+  monkeypatch.setattr(_thresholds, "THRESHOLDS", dataclasses.replace(
+      _thresholds.THRESHOLDS, streamed_leaf_min_bytes=1))
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,14 @@
 which runs fuse, what the fused loop makes and moves, and that the
 program computes what the step computes."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jlms
-from jlms import _compat, _state, _update_loops
+from jlms import _compat, _state, _thresholds
 from jlms._config import OffloadConfig
 from jlms._liveness import analyse
 from jlms._loops import find_scan_residuals
@@ -21,7 +22,8 @@ LAYERS, WIDTH = 4, 16
 @pytest.fixture(autouse=True)
 def stream_small_leaves(monkeypatch):
   # The leaves here are KiB: stream them anyway.
-  monkeypatch.setattr(_update_loops, "_MIN_STREAMED_BYTES", 1)
+  monkeypatch.setattr(_thresholds, "THRESHOLDS", dataclasses.replace(
+      _thresholds.THRESHOLDS, streamed_leaf_min_bytes=1))
 
 
 def _adam_step(clip: bool):
