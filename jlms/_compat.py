@@ -82,7 +82,8 @@ remat_p = _prims.remat_p
 
 device_put_p = _prims.device_put_p
 # Not in `jax.extend` (0.10.2): the one private primitive jlms matches.
-from jax._src.lax.lax import optimization_barrier_p as barrier_p  # noqa: E402
+from jax._src.lax.lax import optimization_barrier_p  # noqa: E402
+barrier_p = optimization_barrier_p
 scan_p = _prims.scan_p
 
 def primitives_named(*names: str) -> tuple:
@@ -503,14 +504,6 @@ def contraction_is_full_precision(eqn) -> bool:
   """Whether a float32 contraction asked for HIGHEST precision (no TF32)."""
   precision = eqn.params.get("precision")
   return "HIGHEST" in str(precision)
-
-
-def is_recomputable(eqn) -> bool:
-  """Whether `eqn` can be emitted a second time with the same result: a
-  pure equation of one primitive (no effects, no body, not a copy between
-  memories or a barrier)."""
-  return (not eqn.effects and not sub_jaxprs(eqn)
-          and eqn.primitive not in (device_put_p, barrier_p))
 
 
 def is_convolution(eqn) -> bool:

@@ -149,7 +149,7 @@ def kernel_seconds(program: Program, target: GpuTarget, fusion=None,
     at = int(executes_at[index])
     if at >= n:  # fused into the step's outputs: it runs at the end
       at = n - 1
-    work = _compat.contraction_flops(eqn)
+    work = _rules.flops(eqn)
     if work:
       flops[at] += work
       dtype = eqn.invars[0].aval.dtype
@@ -237,7 +237,7 @@ def _stacking_seconds(eqn, body, target: GpuTarget, cache: dict) -> float:
 
     def by_contraction(index: int) -> bool:
       return (0 <= index < len(inner)
-              and _compat.contraction_flops(inner.equations[index].eqn) > 0)
+              and _rules.flops(inner.equations[index].eqn) > 0)
 
     copied = [v for v in xs if any(by_contraction(r) for r in liveness.uses[v])]
     copied += [v for v in ys if isinstance(v, int)
@@ -262,7 +262,7 @@ def recompute_seconds(program: Program, liveness, chain: tuple[int, ...],
   seconds = moved / (target.hbm_bytes_per_s * target.efficiency["memory"])
   for index in chain:
     eqn = program.equations[index].eqn
-    work = _compat.contraction_flops(eqn)
+    work = _rules.flops(eqn)
     if work:
       kind = "conv" if _compat.is_convolution(eqn) else "matmul"
       peak = target.contraction_peak(

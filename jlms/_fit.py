@@ -50,7 +50,7 @@ import time
 
 import numpy as np
 
-from jlms import _compat, _thresholds
+from jlms import _rules, _thresholds
 from jlms._cost import GpuTarget, kernel_seconds, recompute_seconds
 from jlms._liveness import Liveness
 from jlms._units import format_bytes
@@ -181,7 +181,7 @@ class _Problem:
       if index in chain:
         continue
       equation = program.equations[index]
-      if not _compat.is_recomputable(equation.eqn):
+      if not _rules.is_recomputable(equation.eqn):
         return None
       chain.add(index)
       if len(chain) > _thresholds.THRESHOLDS.recompute_max_chain:

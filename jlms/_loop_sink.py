@@ -94,7 +94,7 @@ def _expansion_chain(program: Program, liveness: Liveness, value: int):
     if index in chain:
       continue
     eqn = program.equations[index].eqn
-    if not (_rules.is_fusible_equation(eqn) and _compat.is_recomputable(eqn)):
+    if not (_rules.is_fusible_equation(eqn) and _rules.is_recomputable(eqn)):
       return None
     chain.add(index)
     if len(chain) > max_chain:

@@ -140,7 +140,7 @@ def kernel_facts(program: Program, chain: tuple[int, ...]
   """What `shared_kernels` groups a chain by: the values it reads that it
   does not make, and whether it is elementwise (no contraction)."""
   return (frozenset(chain_inputs(program, chain)),
-          not any(_compat.contraction_flops(program.equations[i].eqn)
+          not any(_rules.flops(program.equations[i].eqn)
                   for i in chain))
 
 
@@ -165,7 +165,7 @@ def shared_kernels(program: Program,
   behind one barrier of its own; the time model prices a joining chain at
   the writing of its value."""
   read = [chain_inputs(program, chain) for chain in chains]
-  elementwise = [not any(_compat.contraction_flops(program.equations[i].eqn)
+  elementwise = [not any(_rules.flops(program.equations[i].eqn)
                          for i in chain) for chain in chains]
   groups: list[list[int]] = []
   for k in sorted(range(len(chains)), key=lambda k: -len(read[k])):

@@ -22,7 +22,7 @@ import collections
 import dataclasses
 from typing import Any, Union
 
-from jlms import _compat
+from jlms import _compat, _rules
 from jlms._names import common_scope, readable_name
 
 
@@ -74,7 +74,7 @@ def _loop_in_jlms_call(eqn, depth: int = 3):
   if depth == 0 or name is None or not name.startswith("jlms_"):
     return None
   for inner in _compat.body_equations(eqn):
-    if inner.primitive in _compat.LOOP_PRIMITIVES:
+    if _rules.rule(inner.primitive).loop:
       return inner
     found = _loop_in_jlms_call(inner, depth - 1)
     if found is not None:
@@ -203,7 +203,7 @@ def _barrier_remat_inputs(eqn, inputs, stack, new_id, equations) -> list:
 
 
 def _is_inlinable(eqn) -> bool:
-  if eqn.primitive not in _compat.INLINABLE_CALL_PRIMITIVES:
+  if not _rules.rule(eqn.primitive).inlined_call:
     return False
   if _compat.is_jit_primitive(eqn.primitive):
     return _compat.jit_is_plain(eqn)

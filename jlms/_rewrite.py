@@ -371,7 +371,7 @@ def _postponable_contractions(program: Program, barriers) -> frozenset:
       needed[out] = first
   postponable = set()
   for index, equation in enumerate(program.equations):
-    if not _compat.contraction_flops(equation.eqn):
+    if not _rules.flops(equation.eqn):
       continue
     following = bisect.bisect_right(barriers, index)
     if following == len(barriers):

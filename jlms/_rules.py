@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from typing import Callable
 
 from jlms import _compat
 
@@ -62,6 +63,21 @@ class PrimitiveRule:
   #: scanned GPT: the attention softmax, the loss's softmax over the
   #: vocabulary).
   fuses_as_row: bool = False
+  #: The multiply-add FLOPs of its equation, for a contraction priced by
+  #: its FLOPs (`dot_general`, `conv_general_dilated`; the parameters are
+  #: read in `jlms._compat`); None for every other primitive.
+  flops: Callable | None = None
+  #: Emitting it a second time gives the same result (a pure primitive):
+  #: not a copy between memories, nor a barrier that orders others.
+  recomputable: bool = True
+  #: Its outputs are its operands, not new buffers (an optimization
+  #: barrier).
+  aliases_operands: bool = False
+  #: A call `jlms._program.flatten` inlines: a nested `jax.jit`,
+  #: `closed_call`, the primal calls of `custom_jvp`/`custom_vjp`.
+  inlined_call: bool = False
+  #: A loop that runs a body of its own many times (scan, while).
+  loop: bool = False
 
 
 OPAQUE = PrimitiveRule()
@@ -123,6 +139,18 @@ def _table() -> types.MappingProxyType:
   add(_TRANSPARENT_CALLS, transparent_call=True)
   add(_POINTWISE, pointwise=True)
   add(("dynamic_slice", "dynamic_update_slice"), moves_one_slice=True)
+  add(("dot_general", "conv_general_dilated"),
+      flops=_compat.contraction_flops)
+  add(("device_put",), recomputable=False)
+  for primitive in _compat.INLINABLE_CALL_PRIMITIVES:
+    rules[primitive] = dataclasses.replace(rules.get(primitive, OPAQUE),
+                                           inlined_call=True)
+  rules[_compat.barrier_p] = dataclasses.replace(
+      rules.get(_compat.barrier_p, OPAQUE), recomputable=False,
+      aliases_operands=True)
+  for primitive in _compat.LOOP_PRIMITIVES:
+    rules[primitive] = dataclasses.replace(rules.get(primitive, OPAQUE),
+                                           loop=True)
   return types.MappingProxyType(rules)
 
 
@@ -132,6 +160,20 @@ RULES = _table()
 def rule(primitive) -> PrimitiveRule:
   """The rule of `primitive`; `OPAQUE` for one the table does not name."""
   return RULES.get(primitive, OPAQUE)
+
+
+def flops(eqn) -> float:
+  """Multiply-add FLOPs of a contraction equation; 0 for any other."""
+  count = rule(eqn.primitive).flops
+  return 0.0 if count is None else count(eqn)
+
+
+def is_recomputable(eqn) -> bool:
+  """Whether `eqn` can be emitted a second time with the same result: a
+  pure equation of one primitive (no effects, no body, not a copy between
+  memories or a barrier)."""
+  return (rule(eqn.primitive).recomputable and not eqn.effects
+          and not _compat.sub_jaxprs(eqn))
 
 
 def reduces_rows(eqn) -> bool:

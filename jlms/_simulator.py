@@ -132,7 +132,7 @@ def analyse_fusion(program: Program, liveness: Liveness,
   row = np.zeros(n, dtype=bool)
   for index, equation in enumerate(equations):
     primitive = equation.primitive
-    aliasing[index] = primitive is _compat.barrier_p
+    aliasing[index] = _rules.rule(primitive).aliases_operands
     has_body[index] = bool(_compat.sub_jaxprs(equation.eqn))
     rule = _rules.rule(primitive)
     fusible[index] = _rules.is_fusible_equation(equation.eqn)
@@ -516,7 +516,7 @@ def _host_buffers_reused(program: Program, liveness: Liveness
   nothing reads that value after the loop."""
   reused: dict[int, int] = {}
   for index, equation in enumerate(program.equations):
-    if equation.primitive not in _compat.LOOP_PRIMITIVES:
+    if not _rules.rule(equation.primitive).loop:
       continue
     free = [a for a in dict.fromkeys(equation.inputs)
             if isinstance(a, int) and _compat.is_host_aval(program.avals[a])

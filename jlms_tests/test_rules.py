@@ -1,7 +1,10 @@
 """The per-primitive rule table: every primitive of the test models' steps
 is known, or knowingly opaque (a kernel of its own)."""
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 
 from benchmarks import models
 from jlms import _compat, _rules
@@ -44,7 +47,26 @@ def test_rules_say_how_xla_treats_each_kind():
   assert _rules.rule(reduce_sum).takes_fused_operands
   assert not _rules.rule(reduce_sum).fuses_into_readers
   assert _rules.rule(transpose).relayout_only
-  assert _rules.rule(dot) is _rules.OPAQUE
+  # A contraction: a kernel of its own, priced by its FLOPs.
+  assert dataclasses.replace(_rules.rule(dot), flops=None) == _rules.OPAQUE
+  matmul = jax.make_jaxpr(lambda a, b: a @ b)(
+      jax.ShapeDtypeStruct((4, 8), "float32"),
+      jax.ShapeDtypeStruct((8, 16), "float32")).jaxpr.eqns[0]
+  assert _rules.flops(matmul) == 2 * 4 * 8 * 16
+  assert _rules.flops(jax.make_jaxpr(jnp.tanh)(1.0).jaxpr.eqns[0]) == 0
+
+
+def test_calls_loops_barriers_and_copies_have_their_rules():
+  (scan,) = _compat.primitives_named("scan")
+  assert _rules.rule(scan).loop and not _rules.rule(scan).inlined_call
+  nested = jax.make_jaxpr(jax.jit(jnp.sin))(1.0).jaxpr.eqns[0]
+  assert _rules.rule(nested.primitive).inlined_call
+  barrier = _rules.rule(_compat.barrier_p)
+  assert barrier.aliases_operands and not barrier.recomputable
+  put = jax.make_jaxpr(lambda x: jax.device_put(x, jax.memory.Space.Host))(
+      jnp.ones(2)).jaxpr.eqns[0]
+  assert not _rules.is_recomputable(put)
+  assert _rules.is_recomputable(jax.make_jaxpr(jnp.sin)(1.0).jaxpr.eqns[0])
 
 
 def test_a_call_of_only_elementwise_equations_is_fusible():
