@@ -59,7 +59,7 @@ from jlms._planner import (Offload, SwapIn, is_offloadable, joins_kernel,
 from jlms._program import Program
 from jlms._schedule import StepTime, predict_step_time
 from jlms._simulator import (Fusion, MemoryTimeline, analyse_fusion,
-                             body_working_bytes, simulate)
+                             simulate, step_constants)
 from jlms._config import SyncMode
 from jlms._budget import BudgetError
 
@@ -112,10 +112,17 @@ class _Problem:
     self.kernel_s = kernel_seconds(program, target, fusion, liveness)
     # start[i]: compute seconds before equation i starts, without copies.
     self.start = np.concatenate([[0.0], np.cumsum(self.kernel_s)])
-    self.working = body_working_bytes(program)
+    # What every simulation of this program shares, reckoned once.
+    self.constants = step_constants(program, liveness, fusion)
     self.min_bytes = min_bytes
     self.host_budget: int | None = None
     self._facts: dict = {}  # chain -> `kernel_facts`
+    self._remake_s: dict = {}  # (chain, value) -> `recompute_seconds`
+    self._remade_together_s: dict = {}  # see `predict_step_time`
+    # Whether each equation may be emitted again (the chain walk asks of
+    # the same equations round after round).
+    self._recomputable = [_rules.is_recomputable(e.eqn)
+                          for e in program.equations]
 
   def gap(self, value: int) -> tuple[int, int] | None:
     """(last read before, first read after) the longest gap, in compute
@@ -181,7 +188,7 @@ class _Problem:
       if index in chain:
         continue
       equation = program.equations[index]
-      if not _rules.is_recomputable(equation.eqn):
+      if not self._recomputable[index]:
         return None
       chain.add(index)
       if len(chain) > _thresholds.THRESHOLDS.recompute_max_chain:
@@ -205,7 +212,7 @@ class _Problem:
     reads = tuple(r for r in liveness.uses[value] if r > near)
     offload = Offload(value, near, (SwapIn(far, reads),), recompute=ordered)
     frees_from = int(fusion.executes_at[near]) + 1
-    cost = recompute_seconds(program, liveness, ordered, value, self.target)
+    cost = self._recompute_seconds(ordered, value)
     return _Option(offload, liveness.nbytes[value], frees_from, far, cost,
                    tuple(sorted(leaves)))
 
@@ -242,6 +249,16 @@ class _Problem:
     return _Option(shared, option.nbytes, option.frees_from, place, cost,
                    option.leaves)
 
+  def _recompute_seconds(self, chain: tuple[int, ...], value: int) -> float:
+    """`recompute_seconds` of remaking `value` by `chain`, priced once (a
+    fit asks of the same chains round after round)."""
+    key = (chain, value)
+    seconds = self._remake_s.get(key)
+    if seconds is None:
+      seconds = self._remake_s[key] = recompute_seconds(
+          self.program, self.liveness, chain, value, self.target)
+    return seconds
+
   def _kernel_facts(self, chain: tuple[int, ...]):
     facts = self._facts.get(chain)
     if facts is None:
@@ -250,12 +267,13 @@ class _Problem:
 
   def simulate(self, offloads) -> MemoryTimeline:
     return simulate(self.program, self.liveness, tuple(offloads), self.fusion,
-                    working=self.working)
+                    constants=self.constants)
 
   def step_time(self, offloads) -> StepTime:
     return predict_step_time(self.program, self.liveness, self.kernel_s,
                              tuple(offloads), self.target, SyncMode.NONE,
-                             self.residuals, self.state_copies)
+                             self.residuals, self.state_copies,
+                             remade_memo=self._remade_together_s)
 
 
 def fit(program: Program, liveness: Liveness, budget_bytes: int | None,

@@ -61,13 +61,15 @@ class StepTime:
 def predict_step_time(program: Program, liveness: Liveness,
                       kernel_s: np.ndarray, offloads=(), target: GpuTarget
                       = None, sync_mode: SyncMode = SyncMode.SWAP_OUT,
-                      residuals=(), state_copies=(), walk: bool = False
-                      ) -> StepTime:
+                      residuals=(), state_copies=(), walk: bool = False,
+                      remade_memo: dict | None = None) -> StepTime:
   """The `StepTime` of `program` run with `offloads` (and scan `residuals`
   streamed through host, and the `jlms._state.StateCopy`s of state kept on
   host) on `target`. Where the target hides no copy, it is summed copy by
   copy (the same figure, to rounding) unless `walk` asks for the walk over
-  every equation."""
+  every equation. `remade_memo`, a dict kept by the caller, holds the
+  price of each group of recomputations made before one equation across
+  calls on the same program and target."""
   n = len(program)
   sync_out = bool(sync_mode & SyncMode.SWAP_OUT)
   sync_in = bool(sync_mode & SyncMode.SWAP_IN)
@@ -83,8 +85,13 @@ def predict_step_time(program: Program, liveness: Liveness,
       remade_before[swap_in.issue_before].append(
           (offload.recompute, offload.value))
   for index, together in remade_before.items():
-    cost = sum(recompute_seconds_together(program, liveness, together,
-                                          target))
+    key = tuple(together)
+    cost = None if remade_memo is None else remade_memo.get(key)
+    if cost is None:
+      cost = sum(recompute_seconds_together(program, liveness, together,
+                                            target))
+      if remade_memo is not None:
+        remade_memo[key] = cost
     recomputes[index] += cost
     recompute_total += cost
   for number, offload in enumerate(offloads):

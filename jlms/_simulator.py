@@ -422,17 +422,44 @@ def output_donors(program: Program, liveness: Liveness,
   return donors
 
 
+@dataclasses.dataclass(frozen=True)
+class StepConstants:
+  """What `simulate` reckons of a program that no choice of offloads
+  changes, for a fit that simulates one program many times."""
+  reused: dict  # `_host_buffers_reused`
+  donors: dict  # `output_donors`
+  fixed: int  # `fixed_bytes`
+  working: np.ndarray  # `body_working_bytes`
+  host_values: tuple  # values in host memory that something reads
+
+
+def step_constants(program: Program, liveness: Liveness,
+                   fusion: Fusion) -> StepConstants:
+  return StepConstants(_host_buffers_reused(program, liveness),
+                       output_donors(program, liveness, fusion),
+                       fixed_bytes(program, liveness),
+                       body_working_bytes(program),
+                       _host_values(program, liveness))
+
+
+def _host_values(program: Program, liveness: Liveness) -> tuple:
+  return tuple(value for value, aval in enumerate(program.avals)
+               if _compat.is_host_aval(aval) and liveness.uses[value])
+
+
 def simulate(program: Program, liveness: Liveness,
              offloads: tuple[Offload, ...] = (),
              fusion: Fusion | None = None,
              operands_fixed: bool = True,
-             working: np.ndarray | None = None) -> MemoryTimeline:
+             working: np.ndarray | None = None,
+             constants: StepConstants | None = None) -> MemoryTimeline:
   """The predicted device and host memory of `program` run with `offloads`.
 
   `fusion` may be passed when it was computed with the offloaded values
   forced to buffers (the tuner reuses one for many plans); by default it is
   computed here; so may `working`, the `body_working_bytes` of the
-  program. With `operands_fixed=False` (a loop body's iteration)
+  program, or all of its `constants` with the fusion they were reckoned
+  with. With `operands_fixed=False` (a loop body's iteration)
   the inputs exist from the start until their last read and the outputs
   from where they are made, rather than for the whole run.
   """
@@ -454,7 +481,8 @@ def simulate(program: Program, liveness: Liveness,
     # An output made in place of a temporary it consumes (a parameter update
     # from its gradient) takes that buffer: one buffer from the temporary's
     # making to the end, not two.
-    donors = output_donors(program, liveness, fusion)
+    donors = (output_donors(program, liveness, fusion) if constants is None
+              else constants.donors)
     stop[list(donors.values())] = n
   else:
     start = np.maximum(start, 0)
@@ -485,20 +513,27 @@ def simulate(program: Program, liveness: Liveness,
       host[offload.swap_out_after] += size
       host[offload.swap_ins[-1].issue_before + 1] -= size
 
-  reused = _host_buffers_reused(program, liveness)
-  for value, aval in enumerate(program.avals):
-    if (_compat.is_host_aval(aval) and liveness.uses[value]
-        and value not in reused):
-      size = aval_nbytes(aval)
+  reused = (_host_buffers_reused(program, liveness) if constants is None
+            else constants.reused)
+  host_values = (_host_values(program, liveness) if constants is None
+                 else constants.host_values)
+  for value in host_values:
+    if value not in reused:
+      size = aval_nbytes(program.avals[value])
       host[max(start[value], 0)] += size
       end = min(liveness.uses[value][-1], n)
       if value in reused.values():  # its buffer goes on as the loop's output
         end = n
       host[end + 1] -= size
 
-  fixed = fixed_bytes(program, liveness) if operands_fixed else 0
+  fixed = 0
+  if operands_fixed:
+    fixed = (fixed_bytes(program, liveness) if constants is None
+             else constants.fixed)
   fixed -= sum(liveness.nbytes[v] for v in donors)
   device_bytes = np.cumsum(device)[: n + 1] + fixed
+  if constants is not None:
+    working = constants.working
   device_bytes[:n] += (body_working_bytes(program) if working is None
                        else working)
   host_bytes = np.cumsum(host)[: n + 1]
