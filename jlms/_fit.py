@@ -216,47 +216,40 @@ class _Problem:
     return _Option(offload, liveness.nbytes[value], frees_from, far, cost,
                    tuple(sorted(leaves)))
 
-  def shared_recompute(self, option: _Option, moved: dict) -> _Option | None:
+  def shared_recompute(self, option: _Option, remade: "_RemadeAt"
+                       ) -> _Option | None:
     """`option`, a recomputation, remade instead beside a recomputation
-    already chosen, at or before its own far read, where the two share a
-    kernel (`jlms._planner.shared_kernels`: elementwise chains, the other
-    reading all this one's inputs; the rewrite emits them behind one
-    barrier). Its estimate is then the writing of its value alone (the
-    schedule model prices the pair exactly). None where there is no such
-    place."""
+    already chosen (`remade`), at or before its own far read, where the
+    two share a kernel (`jlms._planner.shared_kernels`: elementwise
+    chains, the other reading all this one's inputs; the rewrite emits
+    them behind one barrier). Its estimate is then the writing of its value
+    alone (the schedule model prices the pair exactly). None where there
+    is no such place; the latest place where there are several."""
     offload = option.offload
-    place = None
-    for other in moved.values():
-      anchor = other.offload.swap_ins[0].issue_before
-      if (other.offload.is_recompute
-          and option.frees_from < anchor <= option.frees_until
-          and (place is None or anchor > place)
-          # This one joins the other's kernel, so its inputs are the
-          # other's, on the device there (never the other way round: one
-          # of its own inputs may be made after that place).
-          # `shared_kernels(program, [other, this]) == [[0, 1]]`, from
-          # each chain's facts, found once (a fit asks of the same pairs
-          # round after round).
-          and joins_kernel(self._kernel_facts(other.offload.recompute),
-                           self._kernel_facts(offload.recompute))):
-        place = anchor
+    # This one joins the other's kernel, so its inputs are the other's, on
+    # the device there (never the other way round: one of its own inputs
+    # may be made after that place).
+    place = remade.latest_joined(option.frees_from, option.frees_until,
+                                 self._kernel_facts(offload.recompute))
     if place is None:
       return None
     shared = dataclasses.replace(
         offload, swap_ins=(SwapIn(place, offload.swap_ins[0].reads),))
-    cost = recompute_seconds(self.program, self.liveness, offload.recompute,
-                             offload.value, self.target, reads_inputs=False)
+    cost = self._recompute_seconds(offload.recompute, offload.value,
+                                   reads_inputs=False)
     return _Option(shared, option.nbytes, option.frees_from, place, cost,
                    option.leaves)
 
-  def _recompute_seconds(self, chain: tuple[int, ...], value: int) -> float:
+  def _recompute_seconds(self, chain: tuple[int, ...], value: int,
+                         reads_inputs: bool = True) -> float:
     """`recompute_seconds` of remaking `value` by `chain`, priced once (a
     fit asks of the same chains round after round)."""
-    key = (chain, value)
+    key = (chain, value, reads_inputs)
     seconds = self._remake_s.get(key)
     if seconds is None:
       seconds = self._remake_s[key] = recompute_seconds(
-          self.program, self.liveness, chain, value, self.target)
+          self.program, self.liveness, chain, value, self.target,
+          reads_inputs=reads_inputs)
     return seconds
 
   def _kernel_facts(self, chain: tuple[int, ...]):
@@ -333,6 +326,7 @@ def _fit_greedily(problem: _Problem, budget: int | None, chosen: list,
           if (g := problem.gap(v)) is not None}
   transfers: dict = {}
   moved: dict[int, _Option] = {}  # value -> the option chosen for it
+  remade_at = _RemadeAt()  # the recomputations among them, by place
   # value -> the earliest equation at which a chosen recomputation reads
   # it: moving it is fine if it is back on the device by then.
   needed_by: dict[int, int] = {}
@@ -348,7 +342,7 @@ def _fit_greedily(problem: _Problem, budget: int | None, chosen: list,
         transfers[value, far] = problem.transfer(value, near, far)
       remade = problem.recompute(value, near, far, moved)
       found = (transfers[value, far], remade,
-               remade and problem.shared_recompute(remade, moved))
+               remade and problem.shared_recompute(remade, remade_at))
       for option in found:
         if (option is not None
             and option.frees_from <= peak < option.frees_until
@@ -372,12 +366,48 @@ def _fit_greedily(problem: _Problem, budget: int | None, chosen: list,
         best, best_score, best_time = option, score, trial
     chosen.append(best.offload)
     moved[best.offload.value] = best
+    if best.offload.is_recompute:
+      remade_at.add(best.offload.swap_ins[0].issue_before,
+                    problem._kernel_facts(best.offload.recompute))
     far = best.offload.swap_ins[0].issue_before
     for leaf in best.leaves:
       needed_by[leaf] = min(needed_by.get(leaf, far), far)
     step_time = best_time
     timeline = problem.simulate(chosen)
   return timeline, step_time
+
+
+class _RemadeAt:
+  """The chosen recomputations whose kernel another may join, indexed by
+  each value they read, with the equation they are remade before: for
+  `_Problem.shared_recompute` to find the latest one a chain joins (it
+  must read all the chain reads) among the few that read one of its
+  inputs, rather than test every choice each round."""
+
+  def __init__(self):
+    self._by_input: dict[int, list[tuple[int, frozenset]]] = {}
+
+  def add(self, anchor: int, facts: tuple[frozenset, bool]) -> None:
+    reads, elementwise = facts
+    if elementwise:  # only an elementwise kernel takes another chain
+      for value in reads:
+        self._by_input.setdefault(value, []).append((anchor, reads))
+
+  def latest_joined(self, after: int, up_to: int,
+                    facts: tuple[frozenset, bool]) -> int | None:
+    """The latest place in `(after, up_to]` of a chosen recomputation
+    whose kernel a chain with these `kernel_facts` joins
+    (`jlms._planner.joins_kernel`); None where there is none."""
+    reads, elementwise = facts
+    if not elementwise or not reads:
+      return None
+    rarest = min(reads, key=lambda v: len(self._by_input.get(v, ())))
+    best = None
+    for anchor, other_reads in self._by_input.get(rarest, ()):
+      if (after < anchor <= up_to and (best is None or anchor > best)
+          and joins_kernel((other_reads, True), facts)):
+        best = anchor
+    return best
 
 
 @dataclasses.dataclass(frozen=True)
