@@ -1,0 +1,538 @@
+"""Train steps of models as users get them from their libraries, unmodified.
+
+`REAL_MODELS` maps a name to a builder; `REAL_MODELS[name](size)` returns
+a `RealStep`. Each model is built from its library's own config class or
+constructors with random weights (nothing is downloaded), and trained by
+AdamW (optax) on a synthetic batch:
+
+- "llama", "gpt2": Hugging Face `transformers` 4.x `FlaxLlamaForCausalLM`
+  and `FlaxGPT2LMHeadModel` (with dropout), from `LlamaConfig` and
+  `GPT2Config`; Python loops over layers.
+- "resnet50": `transformers`' `FlaxResNetForImageClassification` from a
+  `ResNetConfig` (bottleneck blocks, BatchNorm statistics updated).
+- "nnx_transformer": a decoder written with Flax NNX layers
+  (`nnx.MultiHeadAttention`, `nnx.Linear`, `nnx.LayerNorm`), its blocks
+  made by `nnx.vmap` and run by `nnx.scan`, each building its causal
+  mask (the idiom of Flax's NNX guides).
+- "equinox_transformer": an Equinox decoder of `eqx.nn.MultiheadAttention`
+  and `eqx.nn.MLP` blocks, stacked by `eqx.filter_vmap` and run by
+  `jax.lax.scan` over the arrays that `eqx.partition` splits off.
+- "gemma2": DeepMind's `gemma` package, a Gemma2 `gm.nn.Transformer`
+  (local sliding and global attention alternating, logit soft-capping),
+  bfloat16 parameters as the library makes them; its layers are a Python
+  loop. `gemma` installs TensorFlow (through kauldron); importing it
+  changes Flax for the whole process, so it is built last.
+
+Sizes: "tiny" builds and runs a step in seconds on a CPU and is large
+enough where it matters that every pass of jlms has something to do
+(jlms._thresholds): values over 4 KiB to keep, remake or copy; loop
+inputs (a causal mask) and scan residual stacks over 1 MiB; state leaves
+over 64 KiB to keep on host, and some over 1 MiB, updated by a loop over
+their rows (inside the backward scan where the layers are scanned).
+"realistic" is the model at its published shape (or, for the NNX and
+Equinox decoders, a typical one) with a batch it is trained at; use its
+`abstract_args()`, for planning for a GPU without one.
+
+What holds for each `RealStep`:
+
+- `step` is a train step. Pure (`nnx` False): `step(state, *batch) ->
+  (state, loss)`, the state a pytree of parameters, optimizer state (and a
+  PRNG key where the model draws dropout), donated (`donate_argnums`).
+  NNX (`nnx` True): `step(model, optimizer, *batch) -> loss`, which
+  mutates the objects, as `nnx.jit` and `jlms.offload_nnx` take it.
+- `make_args()` returns fresh concrete arguments, equal on every call (a
+  donated state is consumed by each run); `abstract_args()` the same
+  without allocating anything (`jax.ShapeDtypeStruct`s, or an NNX
+  model and optimizer from `nnx.eval_shape`).
+- `jitted()` is the reference (`jax.jit` with the donation, or
+  `nnx.jit`), `offload(**options)` the step under jlms (`jlms.offload`
+  with the donation, or `jlms.offload_nnx`).
+
+The model libraries (but Flax, a dependency of jlms) are imported inside
+the builders: this module imports without them (`pip install -e
+".[models]"` installs them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import jlms
+from benchmarks.models import cross_entropy
+
+SIZES = ("tiny", "realistic")
+_SEED = 0
+# AdamW as optax makes it, at a learning rate of 1e-4: each parameter moves
+# by about the learning rate a step whatever its gradient, so a gradient
+# element of rounding size moves its parameter by up to that much; at 1e-3
+# two legal compiles of jax.jit's own tiny Llama step (XLA CPU's LLVM at
+# levels 0 and 3) differed by 4.6e-5 of their largest parameter after one
+# step, at 1e-4 by a tenth of that.
+_LEARNING_RATE = 1e-4
+_WEIGHT_DECAY = 1e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class RealStep:
+    """A library model's train step and its arguments (see the module
+    docstring)."""
+
+    name: str
+    step: Callable
+    make_args: Callable[[], tuple]
+    abstract_args: Callable[[], tuple]
+    donate_argnums: tuple[int, ...] = ()
+    nnx: bool = False
+    #: The dtype the model computes in ("float32" or "bfloat16").
+    compute_dtype: str = "float32"
+
+    def jitted(self):
+        """`jax.jit(step)` with the step's donation (`nnx.jit` for NNX)."""
+        if self.nnx:
+            return nnx.jit(self.step)
+        return jax.jit(self.step, donate_argnums=self.donate_argnums)
+
+    def offload(self, **options):
+        """The step under `jlms.offload` with its donation (NNX:
+        `jlms.offload_nnx`, which donates the split state itself)."""
+        if self.nnx:
+            return jlms.offload_nnx(self.step, **options)
+        return jlms.offload(self.step, donate_argnums=self.donate_argnums,
+                            **options)
+
+    def next_args(self, args: tuple, outputs) -> tuple:
+        """The arguments of the next step: the new state, the same batch
+        (NNX: the same objects, which the step updated)."""
+        if self.nnx:
+            return args
+        return (outputs[0], *args[1:])
+
+
+def _adamw():
+    return optax.adamw(_LEARNING_RATE, weight_decay=_WEIGHT_DECAY)
+
+
+def _pure(name, step, make_args, compute_dtype="float32") -> RealStep:
+    # The abstract arguments are make_args traced, so the two agree by
+    # construction (as in `benchmarks.models`).
+    return RealStep(name, step, make_args,
+                    functools.partial(jax.eval_shape, make_args),
+                    donate_argnums=(0,), compute_dtype=compute_dtype)
+
+
+def _tokens(batch, seq, vocab, key=1):
+    return jax.random.randint(jax.random.key(key), (batch, seq), 0, vocab,
+                              jnp.int32)
+
+
+def _next_token_loss(logits, tokens):
+    """Mean cross-entropy of each position's logits against the next token,
+    in float32."""
+    return cross_entropy(logits[:, :-1].astype(jnp.float32), tokens[:, 1:])
+
+
+def _check_size(size):
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, not {size!r}")
+
+
+# --- Gemma2 (DeepMind's gemma package) ------------------------------------
+
+
+def gemma2(size: str = "tiny") -> RealStep:
+    """Gemma2, a `gemma.gm.nn.Transformer` of a `TransformerConfig`: tiny
+    is 2 layers (one local sliding window of 128, one global), width 64,
+    MLP 128, 2 query heads and 1 key/value head of 32, vocabulary 8192
+    (the embedding 1 MiB, updated in chunks of rows), batch 2 x sequence
+    512 (each layer's attention weights 2 MiB); realistic is Gemma2-2B
+    (26 layers, width 2304, MLP 9216, 8 heads and 4 key/value heads of
+    256, vocabulary 256128) at batch 16 x sequence 2048. Parameters are
+    bfloat16, as the library makes them.
+
+    Importing `gemma` (3.3.0) replaces `flax.linen.Module.param` for the
+    whole process by a wrapper that passes `dtype=None` on to every init
+    function: a Flax model whose init functions take no dtype, such as
+    `transformers`' `FlaxLlamaRMSNorm`, then fails to initialize
+    (TypeError). Build the other models first."""
+    _check_size(size)
+    from gemma import gm
+
+    sliding, full = (gm.nn.config.AttentionType.LOCAL_SLIDING,
+                     gm.nn.config.AttentionType.GLOBAL)
+    if size == "tiny":
+        config = gm.nn.config.TransformerConfig(
+            num_embed=8192, embed_dim=64, hidden_dim=128, num_heads=2,
+            head_dim=32, num_kv_heads=1, final_logit_softcap=30.0,
+            attention_types=(sliding, full), use_post_attn_norm=True,
+            use_post_ffw_norm=True, attn_logits_soft_cap=50.0,
+            sliding_window_size=128)
+        batch, seq = 2, 512
+    else:
+        # `gm.nn.Gemma2_2B`'s config, written out: that class cannot be
+        # imported with kauldron 1.4 (its module imports gemma.gm.ckpts,
+        # which subclasses kd.ckpts.AbstractPartialLoader, gone from
+        # kauldron 1.4), and kauldron 1.3, which has it, fails on JAX
+        # 0.10.2 (jax._src.random._check_prng_key).
+        config = gm.nn.config.TransformerConfig(
+            num_embed=256128, embed_dim=2304, hidden_dim=9216, num_heads=8,
+            head_dim=256, num_kv_heads=4, final_logit_softcap=30.0,
+            attention_types=(sliding, full) * 13, use_post_attn_norm=True,
+            use_post_ffw_norm=True, attn_logits_soft_cap=50.0,
+            sliding_window_size=4096)
+        batch, seq = 16, 2048
+    model = gm.nn.Transformer(config=config)
+    vocab = model.config.num_embed
+    optimizer = _adamw()
+
+    def loss_fn(params, tokens):
+        logits = model.apply({"params": params}, tokens).logits
+        return _next_token_loss(logits, tokens)
+
+    def step(state, tokens):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    def make_args():
+        # Parameter shapes do not depend on the sequence: a short one keeps
+        # the init cheap.
+        params = model.init(jax.random.key(_SEED),
+                            jnp.zeros((1, 8), jnp.int32))["params"]
+        return (params, optimizer.init(params)), _tokens(batch, seq, vocab)
+
+    return _pure(f"gemma2-{size}", step, make_args, "bfloat16")
+
+
+# --- Hugging Face transformers (Flax) --------------------------------------
+
+
+def _causal_lm_step(model, optimizer, dropout: bool):
+    """A Hugging Face Flax causal LM's step, as their Flax examples write
+    it: `model(input_ids, params=..., dropout_rng=..., train=True)`."""
+
+    def loss_fn(params, tokens, key):
+        if dropout:
+            logits = model(tokens, params=params, dropout_rng=key,
+                           train=True).logits
+        else:
+            logits = model(tokens, params=params).logits
+        return _next_token_loss(logits, tokens)
+
+    def step(state, tokens):
+        params, opt_state, key = state
+        key, dropout_key = jax.random.split(key)
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, dropout_key)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, key), loss
+
+    return step
+
+
+def _causal_lm_args(model, optimizer, batch, seq, vocab):
+    def make_args():
+        params = model.init_weights(jax.random.key(_SEED), (1, 8))
+        state = (params, optimizer.init(params), jax.random.key(2))
+        return state, _tokens(batch, seq, vocab)
+
+    return make_args
+
+
+def llama(size: str = "tiny") -> RealStep:
+    """`FlaxLlamaForCausalLM` from a `LlamaConfig`, float32: tiny is 2
+    layers of width 64 (4 heads, 2 key/value heads, MLP 128), vocabulary
+    4096 (the embedding and the head 1 MiB each), batch 2 x sequence 256
+    (attention weights 2 MiB a layer); realistic is Llama-3.2-3B's shape
+    (28 layers, width 3072, 24 heads, 8 key/value heads, MLP 8192,
+    vocabulary 128256, tied embeddings) at batch 4 x sequence 2048."""
+    _check_size(size)
+    from transformers import FlaxLlamaForCausalLM, LlamaConfig
+
+    if size == "tiny":
+        config = LlamaConfig(vocab_size=4096, hidden_size=64,
+                             intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=256)
+        batch, seq = 2, 256
+    else:
+        config = LlamaConfig(vocab_size=128256, hidden_size=3072,
+                             intermediate_size=8192, num_hidden_layers=28,
+                             num_attention_heads=24, num_key_value_heads=8,
+                             max_position_embeddings=2048,
+                             rope_theta=500000.0, tie_word_embeddings=True)
+        batch, seq = 4, 2048
+    model = FlaxLlamaForCausalLM(config, dtype=jnp.float32, _do_init=False)
+    optimizer = _adamw()
+    step = _causal_lm_step(model, optimizer, dropout=False)
+    make_args = _causal_lm_args(model, optimizer, batch, seq,
+                                config.vocab_size)
+    return _pure(f"llama-{size}", step, make_args)
+
+
+def gpt2(size: str = "tiny") -> RealStep:
+    """`FlaxGPT2LMHeadModel` from a `GPT2Config`, float32, dropout on (0.1,
+    drawn from a key in the state): tiny is 2 layers of width 64, 4 heads,
+    vocabulary 4096 (the tied embedding 1 MiB), batch 2 x sequence 256
+    (attention weights 2 MiB a layer); realistic is GPT-2 medium (24
+    layers, width 1024, 16 heads, vocabulary 50257) at batch 8 x sequence
+    1024."""
+    _check_size(size)
+    from transformers import FlaxGPT2LMHeadModel, GPT2Config
+
+    if size == "tiny":
+        config = GPT2Config(vocab_size=4096, n_positions=256, n_embd=64,
+                            n_layer=2, n_head=4)
+        batch, seq = 2, 256
+    else:
+        config = GPT2Config(n_embd=1024, n_layer=24, n_head=16)
+        batch, seq = 8, 1024
+    model = FlaxGPT2LMHeadModel(config, dtype=jnp.float32, _do_init=False)
+    optimizer = _adamw()
+    step = _causal_lm_step(model, optimizer, dropout=True)
+    make_args = _causal_lm_args(model, optimizer, batch, seq,
+                                config.vocab_size)
+    return _pure(f"gpt2-{size}", step, make_args)
+
+
+def resnet50(size: str = "tiny") -> RealStep:
+    """`FlaxResNetForImageClassification` from a `ResNetConfig` (bottleneck
+    blocks, BatchNorm statistics updated each step), float32: tiny is one
+    block a stage, widths 32, 64, 128 and 1024 (the last 3x3 kernel 2.25
+    MiB), 10 classes, batch 4 at 128x128; realistic is ResNet-50 (the
+    config's defaults: 3, 4, 6 and 3 blocks, widths 256 to 2048), 1000
+    classes, batch 128 at 1024x1024."""
+    _check_size(size)
+    from transformers import FlaxResNetForImageClassification, ResNetConfig
+
+    if size == "tiny":
+        config = ResNetConfig(embedding_size=16,
+                              hidden_sizes=[32, 64, 128, 1024],
+                              depths=[1, 1, 1, 1], num_labels=10)
+        batch, image = 4, 128
+    else:
+        config = ResNetConfig(num_labels=1000)
+        batch, image = 128, 1024
+    model = FlaxResNetForImageClassification(config, _do_init=False)
+    optimizer = _adamw()
+
+    def loss_fn(params, batch_stats, images, labels):
+        outputs, updated = model(images, params={
+            "params": params, "batch_stats": batch_stats}, train=True)
+        return cross_entropy(outputs.logits, labels), updated["batch_stats"]
+
+    def step(state, images, labels):
+        params, batch_stats, opt_state = state
+        (loss, batch_stats), grads = jax.value_and_grad(
+            loss_fn, has_aux=True)(params, batch_stats, images, labels)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return (params, batch_stats, opt_state), loss
+
+    def make_args():
+        # Parameter shapes do not depend on the image size (global pooling).
+        variables = model.init_weights(jax.random.key(_SEED), (1, 32, 32, 3))
+        params, batch_stats = variables["params"], variables["batch_stats"]
+        image_key, label_key = jax.random.split(jax.random.key(1))
+        # Channels first, as the model takes `pixel_values`.
+        images = jax.random.normal(image_key, (batch, 3, image, image))
+        labels = jax.random.randint(label_key, (batch,), 0,
+                                    config.num_labels, jnp.int32)
+        return (params, batch_stats, optimizer.init(params)), images, labels
+
+    return _pure(f"resnet50-{size}", step, make_args)
+
+
+# --- Flax NNX ------------------------------------------------------------------
+
+
+def nnx_transformer(size: str = "tiny") -> RealStep:
+    """A decoder of Flax NNX layers, its blocks under `nnx.scan`, each
+    making its causal mask from its input (`nnx.make_causal_mask`),
+    float32: tiny is 4 blocks of width 128 (each MLP kernel stack 1 MiB),
+    4 heads, vocabulary 512, batch 4 x sequence 256 (each mask 1 MiB);
+    realistic is 12 blocks of width 768, 12 heads, vocabulary 32000, batch
+    8 x sequence 2048."""
+    _check_size(size)
+    if size == "tiny":
+        vocab, width, heads, depth, batch, seq = 512, 128, 4, 4, 4, 256
+    else:
+        vocab, width, heads, depth, batch, seq = 32000, 768, 12, 12, 8, 2048
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.attention_norm = nnx.LayerNorm(width, rngs=rngs)
+            # No bias: a key bias has an exactly-zero gradient (softmax
+            # ignores it), which AdamW turns into updates made of rounding.
+            self.attention = nnx.MultiHeadAttention(
+                num_heads=heads, in_features=width, use_bias=False,
+                decode=False, rngs=rngs)
+            self.mlp_norm = nnx.LayerNorm(width, rngs=rngs)
+            self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+            self.down = nnx.Linear(4 * width, width, rngs=rngs)
+
+        def __call__(self, x):
+            mask = nnx.make_causal_mask(x[..., 0])
+            x = x + self.attention(self.attention_norm(x), mask=mask)
+            return x + self.down(nnx.gelu(self.up(self.mlp_norm(x))))
+
+    class Decoder(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.embed = nnx.Embed(vocab, width, rngs=rngs)
+
+            @nnx.split_rngs(splits=depth)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make_blocks(rngs: nnx.Rngs):
+                return Block(rngs)
+
+            self.blocks = make_blocks(rngs)
+            self.norm = nnx.LayerNorm(width, rngs=rngs)
+
+        def __call__(self, tokens):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def run(x, block):
+                return block(x)
+
+            x = run(self.embed(tokens), self.blocks)
+            return self.embed.attend(self.norm(x))
+
+    def step(model, optimizer, tokens):
+        def loss_fn(model):
+            return _next_token_loss(model(tokens), tokens)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    def make_objects():
+        model = Decoder(nnx.Rngs(_SEED))
+        return model, nnx.Optimizer(model, _adamw(), wrt=nnx.Param)
+
+    def make_args():
+        return (*make_objects(), _tokens(batch, seq, vocab))
+
+    def abstract_args():
+        objects = nnx.eval_shape(make_objects)
+        return (*objects, jax.ShapeDtypeStruct((batch, seq), jnp.int32))
+
+    return RealStep(f"nnx_transformer-{size}", step, make_args,
+                    abstract_args, nnx=True)
+
+
+# --- Equinox -------------------------------------------------------------------
+
+
+def equinox_transformer(size: str = "tiny") -> RealStep:
+    """An Equinox decoder: blocks of `eqx.nn.LayerNorm`,
+    `eqx.nn.MultiheadAttention` (causal) and `eqx.nn.MLP`, stacked by
+    `eqx.filter_vmap` and run by `jax.lax.scan`, batched by `jax.vmap`,
+    float32: tiny is 4 blocks of width 128 (each MLP weight stack 1 MiB),
+    4 heads, vocabulary 512, batch 4 x sequence 256 (the mask broadcast to
+    the heads 1 MiB); realistic is 24 blocks of width 1024, 16 heads,
+    vocabulary 32000, batch 8 x sequence 2048."""
+    _check_size(size)
+    import equinox as eqx
+
+    if size == "tiny":
+        vocab, width, heads, depth, batch, seq = 512, 128, 4, 4, 4, 256
+    else:
+        vocab, width, heads, depth, batch, seq = 32000, 1024, 16, 24, 8, 2048
+
+    class Block(eqx.Module):
+        attention_norm: eqx.nn.LayerNorm
+        attention: eqx.nn.MultiheadAttention
+        mlp_norm: eqx.nn.LayerNorm
+        mlp: eqx.nn.MLP
+
+        def __init__(self, key):
+            attention_key, mlp_key = jax.random.split(key)
+            self.attention_norm = eqx.nn.LayerNorm(width)
+            self.attention = eqx.nn.MultiheadAttention(heads, width,
+                                                       key=attention_key)
+            self.mlp_norm = eqx.nn.LayerNorm(width)
+            self.mlp = eqx.nn.MLP(width, width, 4 * width, depth=1,
+                                  activation=jax.nn.gelu, key=mlp_key)
+
+        def __call__(self, x, mask):
+            h = jax.vmap(self.attention_norm)(x)
+            x = x + self.attention(h, h, h, mask=mask)
+            return x + jax.vmap(self.mlp)(jax.vmap(self.mlp_norm)(x))
+
+    class Decoder(eqx.Module):
+        embedding: eqx.nn.Embedding
+        blocks: Block
+        norm: eqx.nn.LayerNorm
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            embedding_key, blocks_key, head_key = jax.random.split(key, 3)
+            self.embedding = eqx.nn.Embedding(vocab, width, key=embedding_key)
+            self.blocks = eqx.filter_vmap(Block)(
+                jax.random.split(blocks_key, depth))
+            self.norm = eqx.nn.LayerNorm(width)
+            self.head = eqx.nn.Linear(width, vocab, use_bias=False,
+                                      key=head_key)
+
+        def __call__(self, tokens):  # one sequence
+            x = jax.vmap(self.embedding)(tokens)
+            length = tokens.shape[0]
+            mask = jnp.tril(jnp.ones((length, length), bool))
+            arrays, static = eqx.partition(self.blocks, eqx.is_array)
+
+            def layer(x, block_arrays):
+                return eqx.combine(block_arrays, static)(x, mask), None
+
+            x, _ = jax.lax.scan(layer, x, arrays)
+            return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+    optimizer = _adamw()
+    # The model's static part (activations, shapes), fixed; the state is
+    # its arrays.
+    static = eqx.filter(
+        eqx.filter_eval_shape(Decoder, jax.random.key(_SEED)),
+        lambda leaf: isinstance(leaf, jax.ShapeDtypeStruct), inverse=True)
+
+    def loss_fn(model, tokens):
+        return _next_token_loss(jax.vmap(model)(tokens), tokens)
+
+    def step(state, tokens):
+        arrays, opt_state = state
+        model = eqx.combine(arrays, static)
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens)
+        updates, opt_state = optimizer.update(grads, opt_state, arrays)
+        arrays = eqx.filter(eqx.apply_updates(model, updates), eqx.is_array)
+        return (arrays, opt_state), loss
+
+    def make_args():
+        arrays = eqx.filter(Decoder(jax.random.key(_SEED)), eqx.is_array)
+        return (arrays, optimizer.init(arrays)), _tokens(batch, seq, vocab)
+
+    return _pure(f"equinox_transformer-{size}", step, make_args)
+
+
+#: The builders, by name: `REAL_MODELS[name](size)` is a `RealStep`.
+#: Gemma is last: build it after the others in one process (see `gemma2`).
+REAL_MODELS: dict[str, Callable[[str], RealStep]] = {
+    "llama": llama,
+    "gpt2": gpt2,
+    "resnet50": resnet50,
+    "nnx_transformer": nnx_transformer,
+    "equinox_transformer": equinox_transformer,
+    "gemma2": gemma2,
+}
+
+#: The package each builder imports, for `pytest.importorskip`.
+LIBRARY: dict[str, str] = {
+    "gemma2": "gemma",
+    "llama": "transformers",
+    "gpt2": "transformers",
+    "resnet50": "transformers",
+    "nnx_transformer": "flax",
+    "equinox_transformer": "equinox",
+}
