@@ -492,6 +492,8 @@ def _planned(request: SearchRequest, config, chosen: _Candidate
       placed.program, placed.liveness, result.offloads, config,
       request.baseline, result.timeline, residuals=chosen.residuals,
       budget_bytes=request.budget, fitted=True, xla_peak_bytes=measured,
+      serialized=len(serialized(placed.program, placed.liveness, config,
+                                placed.fusion)),
       xla_target=request.target if measured is not None else None,
       step_times=lambda: (predict_times(times, plain)[0], result.step_time),
       time_target=times.name,
