@@ -44,7 +44,7 @@ from benchmarks.frontier import load_yardstick
 GIB = 1 << 30
 BUDGETS = (0.65, 0.35)  # of jax.jit's XLA peak
 #: The longest a phase of the demo goes without a line.
-TICK_S = 10.0
+TICK_S = 8.0
 
 
 @contextlib.contextmanager

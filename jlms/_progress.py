@@ -26,8 +26,9 @@ import time
 
 log = logging.getLogger("jlms")
 
-#: Seconds of planning before anything is shown.
-QUIET_S = 10.0
+#: Seconds of planning before anything is shown, and at most between two
+#: lines after that: under 10, so that a user never waits 10 s unanswered.
+QUIET_S = 8.0
 
 
 class Progress:
