@@ -106,7 +106,11 @@ class StepPlanner:
       # jit equation: the rewritten program is staged as one such equation.
       closed = jax.make_jaxpr(jax.jit(flat_fun))(*traceable(leaves))
     except (jax.errors.JAXTypeError, TypeError) as error:
+      progress.done()  # the step's own error: nothing more to say
       raise self._traced_as_jax_jit(args, kwargs, error) from None
+    except BaseException:
+      progress.done()
+      raise
     try:
       analysis = self._planned(closed, leaves, out_trees,
                                self.donated_leaves(args, kwargs),

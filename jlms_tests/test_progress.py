@@ -1,8 +1,10 @@
 """A long planning says what it is doing; a short one says nothing."""
 
 import io
+import threading
 import time
 
+import jax
 import jax.numpy as jnp
 
 import jlms
@@ -84,3 +86,21 @@ def test_a_long_stage_is_shown_again_until_it_ends(monkeypatch):
   assert all("XLA compiling" in line for line in lines[:-1])
   time.sleep(0.2)
   assert out.getvalue().splitlines() == lines  # nothing after done
+
+
+def test_a_step_that_does_not_trace_leaves_no_progress_ticking():
+  def not_traceable(x):
+    if x.sum() > 0:  # Python control flow on a traced value
+      return x
+    return -x
+
+  before = {t.ident for t in threading.enumerate()}
+  try:
+    jlms.offload(not_traceable, budget="min")(jnp.ones(3))
+  except jax.errors.TracerBoolConversionError:
+    pass
+  ticking = [t for t in threading.enumerate()
+             if t.name == "jlms-progress" and t.ident not in before]
+  for thread in ticking:
+    thread.join(timeout=1)
+  assert not any(t.is_alive() for t in ticking)
