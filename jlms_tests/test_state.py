@@ -19,7 +19,7 @@ import pytest
 from flax.training import train_state
 
 import jlms
-from jlms import _state, _thresholds
+from jlms import _offload, _state, _thresholds
 from jlms._liveness import analyse
 from jlms._config import OffloadConfig
 from jlms._program import flatten
@@ -577,31 +577,25 @@ def test_the_first_call_check_compiles_jax_jit_with_the_state_on_device(
   assert "pinned_host" in offloaded_kinds
 
 
-def test_a_step_that_falls_back_runs_jax_jit_with_its_state_on_device():
+def test_a_step_that_falls_back_runs_jax_jit_with_its_state_on_device(
+    monkeypatch):
   # jax.jit's program cannot take the state from host on a GPU: after a
   # failure of jlms's program the state goes back to the device, and stays.
-  # Without verify, which lowers the program first (on by default on a
-  # GPU): the injected failure is no program to lower.
-  step, train_step, args = _small_state_step(verify=False)
+  # The failure is injected where a call first checks jlms's program with
+  # XLA (`verify`), inside the call that then falls back.
+  step, train_step, args = _small_state_step(verify=True)
   placed = step.place(*args)
   expected = jax.jit(train_step)(*_copy(args))
 
   def failing(*args, **kwargs):
     raise RuntimeError("injected failure of jlms's program")
 
-  given = []
-  plain = step._plain_jitted
-
-  def recording(*args, **kwargs):
-    given.append(_kinds((args, kwargs)))
-    return plain(*args, **kwargs)
-
-  step._jitted_state_on_host = failing
-  step._plain_jitted = recording
+  monkeypatch.setattr(_offload, "compare_memory_of_call", failing)
   with pytest.warns(jlms.FallbackWarning, match="injected"):
     state, loss = step(*placed)
+  assert _kinds(state) == {"device"}
+  np.testing.assert_allclose(float(loss), float(expected[1]), rtol=1e-5)
   state, loss = step(state, *args[1:])
-  assert given and all("pinned_host" not in kinds for kinds in given)
   assert _kinds(state) == {"device"}
   np.testing.assert_allclose(float(loss), float(
       jax.jit(train_step)(*expected[:1], *args[1:])[1]), rtol=1e-5)
