@@ -245,6 +245,18 @@ def _causal_lm_args(model, optimizer, batch, seq, vocab):
     return make_args
 
 
+def _causal_lm(name, model_class, config, batch, seq, dropout: bool
+               ) -> RealStep:
+    """A Hugging Face Flax causal LM of `config`, float32, trained by
+    AdamW on `batch` x `seq` tokens."""
+    model = model_class(config, dtype=jnp.float32, _do_init=False)
+    optimizer = _adamw()
+    step = _causal_lm_step(model, optimizer, dropout=dropout)
+    make_args = _causal_lm_args(model, optimizer, batch, seq,
+                                config.vocab_size)
+    return _pure(name, step, make_args)
+
+
 def llama(size: str = "tiny") -> RealStep:
     """`FlaxLlamaForCausalLM` from a `LlamaConfig`, float32: tiny is 2
     layers of width 64 (4 heads, 2 key/value heads, MLP 128), vocabulary
@@ -268,12 +280,8 @@ def llama(size: str = "tiny") -> RealStep:
                              max_position_embeddings=2048,
                              rope_theta=500000.0, tie_word_embeddings=True)
         batch, seq = 4, 2048
-    model = FlaxLlamaForCausalLM(config, dtype=jnp.float32, _do_init=False)
-    optimizer = _adamw()
-    step = _causal_lm_step(model, optimizer, dropout=False)
-    make_args = _causal_lm_args(model, optimizer, batch, seq,
-                                config.vocab_size)
-    return _pure(f"llama-{size}", step, make_args)
+    return _causal_lm(f"llama-{size}", FlaxLlamaForCausalLM, config, batch,
+                      seq, dropout=False)
 
 
 def gpt2(size: str = "tiny") -> RealStep:
@@ -293,12 +301,8 @@ def gpt2(size: str = "tiny") -> RealStep:
     else:
         config = GPT2Config(n_embd=1024, n_layer=24, n_head=16)
         batch, seq = 8, 1024
-    model = FlaxGPT2LMHeadModel(config, dtype=jnp.float32, _do_init=False)
-    optimizer = _adamw()
-    step = _causal_lm_step(model, optimizer, dropout=True)
-    make_args = _causal_lm_args(model, optimizer, batch, seq,
-                                config.vocab_size)
-    return _pure(f"gpt2-{size}", step, make_args)
+    return _causal_lm(f"gpt2-{size}", FlaxGPT2LMHeadModel, config, batch,
+                      seq, dropout=True)
 
 
 def resnet50(size: str = "tiny") -> RealStep:

@@ -5,13 +5,13 @@ dropout RNG, `apply_gradients`) and an NNX step (`nnx.Module` +
 import flax.linen as nn
 import jax
 import pytest
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 from flax.training import train_state
 
 import jlms
+from jlms_tests import _doc_setups
 from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
 
 _SMALL = dict(min_bytes=1 << 10, swapout_threshold=4)  # offload something
@@ -76,16 +76,8 @@ def test_linen_train_state_step_matches_jit():
                             compare(expected_state)) <= F32_TOLERANCE
 
 
-class _NnxNet(nnx.Module):
-  def __init__(self, rngs: nnx.Rngs):
-    self.hidden = nnx.Linear(32, 64, use_bias=False, rngs=rngs)
-    self.norm = nnx.BatchNorm(64, rngs=rngs)
-    self.dropout = nnx.Dropout(0.2, rngs=rngs)
-    self.out = nnx.Linear(64, 10, rngs=rngs)
-
-  def __call__(self, x):
-    x = self.dropout(nnx.relu(self.norm(self.hidden(x))))
-    return self.out(x)
+# The NNX model of docs/flax.md, as the docs' code blocks run it.
+_NnxNet = _doc_setups.flax_nnx()["Model"]
 
 
 def _nnx_step(model, optimizer, images, labels):
