@@ -58,7 +58,8 @@ import jax.numpy as jnp
 
 import jlms
 from benchmarks import frontier_cases
-from benchmarks.state_on_host import DONATED, GIB, TARGET, _first_line, measure
+from benchmarks.models import GIB
+from benchmarks.state_on_host import DONATED, TARGET, _first_line, measure
 
 LIMIT_BYTES = int(79.1 * GIB)
 SEQ, BATCH, VOCAB, HEAD_DIM = 1024, 8, 32768, 128

@@ -7,9 +7,10 @@ XLA's device memory, host memory, compile costs and a predicted step time.
     python -m benchmarks.many_models --model resnet50 --batch-size 8 \\
         --find-max image-size --budget 80GiB [--max-probes 12]
 
-For each model of `benchmarks.zoo` (at its default size unless given; the
-size is the sequence length for GPT) the train step is compiled by XLA for
-the target, deviceless for h100/h200/a100, as:
+For each model of the registry's zoo (`benchmarks.models.ZOO`; at its
+default size unless given, the size being the sequence length for GPT) the
+train step is compiled by XLA for the target, deviceless for
+h100/h200/a100, as:
 
 - `jax.jit(step)`;
 - `jlms.offload(step, min_bytes=1 MiB, swapout_threshold=20)` (TFLMS's
@@ -177,9 +178,9 @@ def budget_in_bytes(budget: str, jit_peak_bytes: int | None) -> int | str:
 
 
 def _build(name: str, size: int, batch_size: int, remat: str | None = None):
-    from benchmarks import zoo
+    from benchmarks import models
 
-    return zoo.ZOO[name].build(size, batch_size, remat=remat)
+    return models.ZOO[name].build(size, batch_size, remat=remat)
 
 
 def _timed(fn, *args, **kwargs):
@@ -373,9 +374,9 @@ def find_max(name: str, dimension: str, size: int, batch_size: int, target: str,
     """The largest image size (or batch size) whose XLA device peak under
     `variant` ("jit" or "jlms") fits in `budget_bytes`: doubling, then
     bisection down to the model's size step, at most `max_probes` compiles."""
-    from benchmarks import zoo
+    from benchmarks import models
 
-    step_size = zoo.ZOO[name].size_multiple if dimension == "image-size" else 1
+    step_size = models.ZOO[name].size_multiple if dimension == "image-size" else 1
     probes = []
 
     def fits(value) -> bool:

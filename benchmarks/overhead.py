@@ -36,7 +36,7 @@ CASES = {
 }
 
 
-def _barriers_only(step: jlms.OffloadedStep, args):
+def barriers_only(step: jlms.OffloadedStep, args):
   """The step's rewritten schedule with the copies left out: made by the
   very call that made the program that runs, so that its barriers (anchored
   where XLA runs each fused equation) are that program's."""
@@ -79,7 +79,7 @@ def main(argv=None) -> list[dict]:
     args = case.make_args()
     step = jlms.offload(case.step, **models.TFLMS_KNOBS)
     seconds = _median_step_seconds(
-        {"jit": jax.jit(case.step), "barriers": _barriers_only(step, args),
+        {"jit": jax.jit(case.step), "barriers": barriers_only(step, args),
          "jlms": step}, args, options.repeats)
     row = {
         "model": case.name,

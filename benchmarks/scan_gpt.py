@@ -27,16 +27,16 @@ import time
 import jax
 
 import jlms
-from benchmarks import models, zoo
+from benchmarks import models
 from benchmarks._output import write_json
 
-GIB = 1 << 30
+GIB = models.GIB
 VARIANTS = ("jax.jit", "jlms.offload", "remat nothing_saveable",
             "remat offload policy")
 
 
 def _case(layers: int, remat):
-  return zoo.gpt_case(seq=1024, batch_size=8, remat=remat, layers=layers,
+  return models.zoo_gpt_case(seq=1024, batch_size=8, remat=remat, layers=layers,
                       width=512, heads=8, vocab=1024)
 
 

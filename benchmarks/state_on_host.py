@@ -11,7 +11,7 @@ plan's own time model (`plan.step_time`; `plan.baseline_step_time` for the
 jax.jit rows) and by the schedule model of XLA's compiled program, the
 yardstick `../shared/tools/step_time.py` (`estimate(hlo)`).
 
-1. The scanned GPT of `zoo.gpt_case(seq=1024, batch_size=8, layers=L,
+1. The scanned GPT of `models.zoo_gpt_case(seq=1024, batch_size=8, layers=L,
    width=512, heads=8)` for each L of `--layers`: `jax.jit(step,
    donate_argnums=(0, 1))`, and `jlms.offload(step, donate_argnums=(0, 1),
    budget="min", target="h100", state_on_host=S)` with S False (the state
@@ -45,12 +45,12 @@ from typing import Any
 import jax
 
 import jlms
-from benchmarks import zoo
+from benchmarks import models
 from benchmarks._output import write_json
 from benchmarks.frontier import YARDSTICK_PATH, _cell, load_yardstick
 
 TARGET = "h100"
-GIB = 1 << 30
+GIB = models.GIB
 # PCIe Gen5 x16, achievable bytes/s per direction (the yardstick's PCIE_BW).
 PCIE_BYTES_PER_S = 55e9
 # XLA's pinned host pool for the 6.58B model, in GB.
@@ -132,7 +132,7 @@ def _jit_prediction(jit_row: dict, jlms_row: dict) -> None:
 def small_rows(layers: int, yardstick) -> list[dict]:
   """Part 1: the width-512 scanned GPT of `layers` layers under jax.jit and
   under `budget="min"` with the state on the device and as planned."""
-  case = zoo.gpt_case(seq=1024, batch_size=8, layers=layers, width=512, heads=8)
+  case = models.zoo_gpt_case(seq=1024, batch_size=8, layers=layers, width=512, heads=8)
   args = jax.eval_shape(case.make_args)
   model = f"gpt L{layers} w512"
   rows = [measure(model, JIT, jax.jit(case.step, donate_argnums=DONATED),
@@ -149,7 +149,7 @@ def small_rows(layers: int, yardstick) -> list[dict]:
 def large_rows(yardstick) -> list[dict]:
   """Part 2: the 6.58B-parameter GPT, its arguments on an H100, under
   jax.jit and under plain `jlms.offload`, with the yardstick ratio."""
-  case = zoo.gpt_case(seq=1024, batch_size=8, layers=32, width=4096, heads=32)
+  case = models.zoo_gpt_case(seq=1024, batch_size=8, layers=32, width=4096, heads=32)
   device = jlms.target_devices(TARGET)[0]
   sharding = jax.sharding.SingleDeviceSharding(device)
   args = jax.tree.map(

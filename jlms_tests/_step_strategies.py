@@ -7,7 +7,9 @@ mixed: float32 parameters with bfloat16 compute), what the layers hold
 (BatchNorm, dropout, residuals), control flow around them (`cond`,
 `while_loop`, a nested `jax.jit`), the optimizer, and how the step is
 jitted (a donated state, a static argument by position or by name).
-`build(spec)` turns one into a `DrawnStep`.
+`build(spec)` turns one into a `DrawnStep`. The layers are composed here
+from Flax's; the attention family's attention and every loss's
+cross-entropy are the model registry's (`benchmarks.models`).
 
 What holds for every `DrawnStep`:
 - `fn(*args, **kwargs)` is a pure, jittable train step; `jit_options` are
@@ -44,7 +46,7 @@ from flax import nnx
 from hypothesis import strategies as st
 
 import jlms
-from benchmarks.models import cross_entropy
+from benchmarks import models
 
 FAMILIES = ("mlp", "conv", "attention", "nnx")
 LAYOUTS = ("loop", "lax_scan", "nn_scan")
@@ -208,28 +210,6 @@ def _dtypes(spec: StepSpec) -> tuple[Any, Any]:
           "mixed": (jnp.bfloat16, jnp.float32)}[spec.precision]
 
 
-class _Attention(nn.Module):
-  dtype: Any
-  param_dtype: Any
-
-  @nn.compact
-  def __call__(self, x):
-    batch, seq, width = x.shape
-    head_dim = width // _HEADS
-    # No bias: a key bias has an exactly-zero gradient (softmax ignores it).
-    qkv = nn.Dense(3 * width, use_bias=False, dtype=self.dtype,
-                   param_dtype=self.param_dtype)(x)
-    qkv = qkv.reshape(batch, seq, 3, _HEADS, head_dim)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
-    causal = jnp.tril(jnp.ones((seq, seq), jnp.bool_))
-    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-    weights = jax.nn.softmax(scores, axis=-1)
-    attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-    return nn.Dense(width, dtype=self.dtype, param_dtype=self.param_dtype)(
-        attended.reshape(batch, seq, width))
-
-
 class _Block(nn.Module):
   """One layer of a linen family; `(carry, x) -> (carry, None)`, the shape
   nn.scan and lax.scan need."""
@@ -241,7 +221,8 @@ class _Block(nn.Module):
     dtype, param_dtype = _dtypes(spec)
     kinds = dict(dtype=dtype, param_dtype=param_dtype)
     if spec.family == "attention":
-      h = h + _Attention(**kinds)(nn.LayerNorm(**kinds)(h))
+      attention = models.CausalSelfAttention(_HEADS, **kinds)
+      h = h + attention(nn.LayerNorm(**kinds)(h))
       y = nn.Dense(2 * spec.width, **kinds)(nn.LayerNorm(**kinds)(h))
       y = nn.gelu(y)
       if spec.dropout:
@@ -334,9 +315,9 @@ def _batch(spec: StepSpec, rng: np.random.Generator) -> tuple:
 def _loss(spec: StepSpec, outputs, batch):
   outputs = outputs.astype(jnp.float32)
   if spec.family == "attention":
-    return cross_entropy(outputs, batch[0][:, 1:])
+    return models.cross_entropy(outputs, batch[0][:, 1:])
   if spec.family == "conv":
-    return cross_entropy(outputs, batch[1])
+    return models.cross_entropy(outputs, batch[1])
   return jnp.mean(jnp.square(outputs - batch[1].astype(jnp.float32)))
 
 

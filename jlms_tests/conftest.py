@@ -87,6 +87,10 @@ def __getattr__(name: str):
 #: bfloat16 ulps (3.9e-3 each). A wrong value differs by 1e-1 and up.
 BF16_TOLERANCE = 2e-2
 
+#: The forced offloading every model family (`benchmarks.models.SMALL_CASES`)
+#: is held to, on each JAX of the supported range.
+FORCED = dict(min_bytes=4096, swapout_threshold=2)
+
 HYPOTHESIS_PROFILE = os.environ.get("JLMS_HYPOTHESIS_PROFILE", "quick")
 
 

@@ -16,9 +16,8 @@ import pytest
 
 import jlms
 from benchmarks import models
-from jlms_tests.conftest import (F32_TOLERANCE, PLATFORM, backend_compiles,
-                                 max_relative_error)
-from jlms_tests.test_offload import CASES, FORCED, _case
+from jlms_tests.conftest import (F32_TOLERANCE, FORCED, PLATFORM,
+                                 backend_compiles, max_relative_error)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,9 +28,9 @@ pytestmark = [
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(models.SMALL_CASES))
 def test_outputs_equal_jax_jit_with_real_host_copies(name):
-  case = _case(name)
+  case = models.SMALL_CASES[name]()
   args = case.make_args()
   step = jlms.offload(case.step, verify=False, **FORCED)
   memory = jlms.xla_memory(step, *args, target="local")

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 import jlms
-from benchmarks import zoo
+from benchmarks import models
 from jlms import _plan
 from jlms._names import ELLIPSIS, elide, profile_scope, readable_name
-from jlms_tests.test_zoo import _tiny_case
 
 # Name stacks (their text) and primitives of equations of the zoo's
 # networks, traced with JAX 0.10.2 (`jlms._program.flatten`, which does not
@@ -137,7 +136,7 @@ def _zoo_plan(name: str) -> jlms.Plan:
   compile), made once per process: the tests that read these plans
   (`_ZOO_PLANS`) run on one worker, since a plan takes 1.5 to 5 s (mostly
   tracing the Flax model)."""
-  case = _tiny_case(name)
+  case = models.ZOO[name].tiny_case()
   return jlms.offload(case.step, min_bytes=1 << 10).plan(
       *case.abstract_args())
 
@@ -170,7 +169,7 @@ _QUICK_ZOO_PLANS = ("gpt", "resnet50", "unet3d")  # planned for other tests too
 @_ZOO_PLANS
 @pytest.mark.parametrize("name", [
     pytest.param(name, marks=[] if name in _QUICK_ZOO_PLANS else
-                 [pytest.mark.slow]) for name in sorted(zoo.ZOO)])
+                 [pytest.mark.slow]) for name in sorted(models.ZOO)])
 def test_plan_of_a_zoo_model_prints_names_and_shapes_whole(name):
   plan = _zoo_plan(name)
   text = str(plan)
@@ -207,7 +206,7 @@ def test_names_are_the_modules_in_the_models_variables_tree():
   # A value made in a layer with parameters is named by that layer's path in
   # the model's parameters, below the model's class.
   plan = _zoo_plan("unet3d")
-  params = _tiny_case("unet3d").abstract_args()[0]
+  params = models.ZOO["unet3d"].tiny_case().abstract_args()[0]
   paths = {"/".join(str(k.key) for k in path[:-1])
            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
   checked = 0

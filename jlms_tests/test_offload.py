@@ -12,36 +12,14 @@ import pytest
 
 import jlms
 from benchmarks import models
-from jlms_tests.conftest import (F32_TOLERANCE, backend_compiles,
+from jlms_tests.conftest import (F32_TOLERANCE, FORCED, backend_compiles,
                                  max_relative_error)
 
 # Small thresholds so that even tiny test models offload plenty.
 EAGER = dict(min_bytes=1, swapout_threshold=4)
-# The forced offloading every model family is held to, on each JAX of the
-# supported range.
-FORCED = dict(min_bytes=4096, swapout_threshold=2)
-
-CASES = {
-    "mlp": lambda: models.mlp_case(depth=6, width=128, batch=64),
-    "resnet_bn_adam": lambda: models.resnet_case(blocks=2, channels=16,
-                                                 image_size=32, batch=4),
-    # Plain momentum SGD: Adam divides by sqrt(v) + eps, which turns
-    # gradients that are zero up to float32 rounding (e.g. of LayerNorm
-    # biases feeding a softmax) into updates made of rounding noise. The
-    # gradients themselves are compared under AdamW-free conditions below.
-    "gpt": lambda: models.gpt_case(layers=2, width=64, heads=2, seq=32,
-                                   batch=2, vocab=128,
-                                   optimizer=optax.sgd(1e-2, momentum=0.9)),
-    "gpt_scan": lambda: models.gpt_case(layers=3, width=64, heads=2, seq=32,
-                                        batch=2, vocab=128, scan_layers=True,
-                                        optimizer=optax.sgd(1e-2, momentum=0.9)),
-    "control_flow": lambda: models.control_flow_case(width=64, batch=16),
-}
-
-
 @functools.cache
 def _case(name):
-  return CASES[name]()
+  return models.SMALL_CASES[name]()
 
 
 def _concrete_args(case) -> tuple:
@@ -59,7 +37,7 @@ def _cases(slow=()):
   """The case names, those in `slow` in the slow tier: the quick one keeps
   a case of each kind of program (the scanned GPT stands for both)."""
   return [pytest.param(name, marks=[pytest.mark.slow] if name in slow else [])
-          for name in sorted(CASES)]
+          for name in sorted(models.SMALL_CASES)]
 
 
 # The quick tier runs the MLP and the control-flow step; the property tests

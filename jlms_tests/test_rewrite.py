@@ -10,7 +10,6 @@ import jlms
 from benchmarks import models, overhead
 from jlms import _compat, _xla_memory
 from jlms._names import profile_scope
-from jlms_tests.test_zoo import _tiny_case
 
 
 def _mlp_step(params, x):
@@ -112,7 +111,7 @@ def test_the_overhead_benchmark_times_the_barriers_that_run(options):
 
   barriers, _ = counts(step)
   assert barriers > 0
-  assert counts(overhead._barriers_only(step, args)) == (barriers, 0)
+  assert counts(overhead.barriers_only(step, args)) == (barriers, 0)
 
 
 def _op_names(lowered_text: str) -> list[tuple[str, str]]:
@@ -160,7 +159,7 @@ def test_copies_and_recomputations_carry_jlms_scopes_in_the_lowered_hlo():
 def test_copies_inside_loops_carry_jlms_scopes_in_the_lowered_hlo():
   # The GPT's layer stack streams its residuals a slice per iteration:
   # the copies inside the scans are named after the stack.
-  case = _tiny_case("gpt")
+  case = models.ZOO["gpt"].tiny_case()
   args = _xla_memory._place_on_target(
       case.abstract_args(), _xla_memory.target_devices("h100"))
   step = jlms.offload(case.step, min_bytes=1 << 10)

@@ -26,7 +26,7 @@ from jlms._program import flatten
 from jlms._rewrite import rewrite
 from jlms._xla_memory import hlo_computations
 
-from benchmarks import zoo
+from benchmarks import models
 
 STEPS = 3
 # The test models' state leaves are KiB: those of this many bytes and more
@@ -35,7 +35,7 @@ _LEAF = 4096
 
 
 def _small_gpt(layers=3):
-  return zoo.gpt_case(seq=32, batch_size=2, layers=layers, width=64, heads=4,
+  return models.zoo_gpt_case(seq=32, batch_size=2, layers=layers, width=64, heads=4,
                       vocab=128)
 
 
@@ -281,7 +281,7 @@ def test_fsdp_state_shards_go_to_each_devices_host():
   from jax.sharding import AxisType
   from benchmarks import sharded
   devices = jlms.target_devices("h100", "1x1x8")
-  case = zoo.gpt_case(seq=32, batch_size=8, layers=2, width=64, heads=4,
+  case = models.zoo_gpt_case(seq=32, batch_size=8, layers=2, width=64, heads=4,
                       vocab=128)
   abstract = jax.eval_shape(case.make_args)
   args = sharded.shard_step_args(
@@ -448,7 +448,7 @@ def test_gpt_device_peak_is_flat_in_depth_with_state_on_host(monkeypatch):
   monkeypatch.undo()  # the real streaming threshold
   peaks = {}
   for layers in (12, 24):
-    case = zoo.gpt_case(seq=1024, batch_size=8, layers=layers, width=512,
+    case = models.zoo_gpt_case(seq=1024, batch_size=8, layers=layers, width=512,
                         heads=8)
     abstract = jax.eval_shape(case.make_args)
     step = jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
@@ -475,7 +475,7 @@ def test_gpt_of_six_billion_parameters_fits_an_h100(monkeypatch):
   one moment stay on the device), and XLA re-runs no kernel."""
   monkeypatch.undo()
   monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
-  case = zoo.gpt_case(seq=1024, batch_size=8, layers=32, width=4096,
+  case = models.zoo_gpt_case(seq=1024, batch_size=8, layers=32, width=4096,
                       heads=32)
   device = jlms.target_devices("h100")[0]
   on_h100 = jax.sharding.SingleDeviceSharding(device)

@@ -8,31 +8,9 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import jlms
-from benchmarks import many_models, zoo
+from benchmarks import many_models, models
 from jlms_tests.conftest import (F32_TOLERANCE, fast_compile_options,
                                  max_relative_error)
-
-# The smallest structure of each network that keeps every kind of unit it
-# has (stem, each block type, reductions, the scanned layer). The classifiers
-# get 64x64 images and 4 of them so that their last BatchNorms still average
-# 16 values per channel: over 2 values (32x32, batch 2) the step is so
-# ill-conditioned that rounding differences grow to 1e-5.
-TINY = {
-    "resnet50": dict(size=64, batch_size=4, stage_blocks=(1, 1, 1, 1)),
-    "densenet121": dict(size=64, batch_size=4, block_layers=(2, 1, 1, 1)),
-    "mobilenetv2": dict(size=64, batch_size=4, stage_repeats=(1,) * 7),
-    "inception": dict(size=64, batch_size=4, block_counts=(1, 1, 1)),
-    "unet3d": dict(size=16, batch_size=2, levels=3, base_features=8),
-    "gpt": dict(size=64, batch_size=2, layers=2, width=64, heads=2,
-                vocab=256),
-}
-
-
-def _tiny_case(name, remat=None):
-  structure = dict(TINY[name])
-  size, batch_size = structure.pop("size"), structure.pop("batch_size")
-  return zoo.ZOO[name].build(size, batch_size, remat=remat, **structure)
-
 
 def _run(jitted, args=()):
   return jitted.lower(*args).compile(compiler_options=fast_compile_options())(*args)
@@ -56,9 +34,9 @@ def _step_error(actual, expected) -> float:
 # runs them, so that the quick one stays under two minutes (its property
 # tests draw convolution, attention and scanned steps of every family).
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(zoo.ZOO))
+@pytest.mark.parametrize("name", sorted(models.ZOO))
 def test_offloaded_zoo_step_matches_jit(name):
-  case = _tiny_case(name)
+  case = models.ZOO[name].tiny_case()
   args = _run(case.make_args)
   # 1 KiB: at this size the default 1 MiB would leave little to offload.
   step = jlms.offload(case.step, min_bytes=1 << 10)
@@ -72,7 +50,8 @@ def test_offloaded_zoo_step_matches_jit(name):
 def test_rematerialised_zoo_step_matches_plain(remat):
   # The U-Net: BatchNorm statistics updated inside nn.remat, and decoder
   # units whose input (upsampled and skip maps) is a tuple.
-  plain, rematerialised = _tiny_case("unet3d"), _tiny_case("unet3d", remat)
+  unet3d = models.ZOO["unet3d"]
+  plain, rematerialised = unet3d.tiny_case(), unet3d.tiny_case(remat)
   args = _run(plain.make_args)
   # Same parameter names and values, so one set of arguments serves both.
   assert max_relative_error(_run(rematerialised.make_args), args) == 0.0
