@@ -13,7 +13,7 @@ budgets. Four properties:
     stated minimum is above the budget, and a budget at that minimum fits;
     one at or above jax.jit's peak is never refused;
 (d) nothing fails except with a jlms error that names the cause: every
-    property lets only `jlms.BudgetError` through (`_jlms_outcome`), and one
+    property lets only `jlms.BudgetError` through (`checks.jlms_outcome`), and one
     draws every option jlms has.
 
 Profiles (`JLMS_HYPOTHESIS_PROFILE`, registered in conftest): "quick", the
@@ -24,21 +24,17 @@ fresh ones each run, of every family in every property. Each failure a
 long run finds, shrunk, becomes a regression test in `test_regressions.py`.
 """
 
-import collections
 import contextlib
 
-import jax
-import numpy as np
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 from hypothesis import target as hypothesis_target
 
 import jlms
 from jlms import _thresholds
+from jlms_tests import _drawn_checks as checks
 from jlms_tests import _step_strategies as steps
-from jlms_tests.conftest import (BF16_TOLERANCE, F32_TOLERANCE,
-                                 HYPOTHESIS_PROFILE, fast_compile_options,
-                                 max_relative_error)
+from jlms_tests.conftest import HYPOTHESIS_PROFILE
 
 TARGET = "h100"
 
@@ -106,152 +102,6 @@ forcing_options = st.one_of(
               st.floats(0.0, 1.0), st.sampled_from((1, 4096))))
 
 
-# -- running -----------------------------------------------------------------
-
-def _jlms_outcome(call):
-  """`call()`, or the `jlms.BudgetError` it raises: anything else fails the
-  property (d), as does an error that does not say it is jlms's."""
-  try:
-    return call()
-  except jlms.BudgetError as error:
-    assert str(error).startswith("jlms: "), str(error)
-    assert "budget" in str(error), str(error)
-    return error
-
-
-def _snapshot(tree):
-  """Host copies of `tree`'s leaves (a donated output is gone once the next
-  step has run); PRNG keys as their key data."""
-  def copy(leaf):
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-      leaf = jax.random.key_data(leaf)
-    return np.array(leaf, copy=True)  # np.asarray may view the buffer
-  return jax.tree.map(copy, tree)
-
-
-def _dynamic(drawn, args, kwargs):
-  """The arguments a compiled step takes: all but the static ones."""
-  static = drawn.jit_options.get("static_argnums", ())
-  static = {static} if isinstance(static, int) else set(static)
-  names = drawn.jit_options.get("static_argnames", ())
-  names = {names} if isinstance(names, str) else set(names)
-  return ([a for i, a in enumerate(args) if i not in static],
-          {k: v for k, v in kwargs.items() if k not in names})
-
-
-#: Compiled CPU programs by their StableHLO text, argument and output trees
-#: and compile options: where jlms's program is jax.jit's (nothing moved,
-#: as often in (d)) or two draws' options give the same program, it is
-#: compiled once (half a second to three seconds each on JAX 0.12's CPU).
-#: The last `_COMPILED_KEPT` only: each CPU executable holds about 250
-#: memory mappings, and unbounded, the long profile's 200 draws of (a) ran
-#: into the kernel's limit of 65530 after about 130 (LLVM "Cannot allocate
-#: memory", then a segmentation fault, on JAX 0.12.0.1).
-_COMPILED: collections.OrderedDict = collections.OrderedDict()
-_COMPILED_KEPT = 32
-
-
-def _compiled(lowered, options: dict):
-  key = (lowered.as_text(), str(lowered.in_tree), str(lowered.out_tree),
-         tuple(sorted(options.items())))
-  if key in _COMPILED:
-    _COMPILED.move_to_end(key)
-  else:
-    _COMPILED[key] = lowered.compile(options)
-    while len(_COMPILED) > _COMPILED_KEPT:
-      _COMPILED.popitem(last=False)
-  return _COMPILED[key]
-
-
-def _run_on_cpu(drawn, stepper, steps_run=3, options=None):
-  """The outputs of `steps_run` steps of `stepper` (a jitted or offloaded
-  `drawn.fn`), each fed the last one's state, as host copies, compiled
-  with `options` (`_CPU_COMPILE_OPTIONS` when None)."""
-  args, kwargs = drawn.make_args()
-  compiled = _compiled(stepper.lower(*args, **kwargs),
-                       _CPU_COMPILE_OPTIONS if options is None else options)
-  outputs = []
-  for _ in range(steps_run):
-    dynamic_args, dynamic_kwargs = _dynamic(drawn, args, kwargs)
-    out = compiled(*dynamic_args, **dynamic_kwargs)
-    outputs.append(_snapshot(out))
-    args = drawn.next_args(args, out)
-  return outputs
-
-
-#: Fast CPU compiles, which round to bfloat16 wherever the program says:
-#: with excess precision allowed (XLA's default), XLA drops a value's
-#: rounding to bfloat16 where its producer and reader meet in one fusion,
-#: and jlms's copies and barriers decide where they meet; without it, jlms's
-#: program computes jax.jit's values exactly in any precision.
-_CPU_COMPILE_OPTIONS = {**fast_compile_options(),
-                        "xla_allow_excess_precision": False}
-
-_JIT_OUTPUTS: dict = {}
-_JIT_PEAKS: dict = {}
-
-
-def _jit_outputs(drawn):
-  if drawn.spec not in _JIT_OUTPUTS:
-    _JIT_OUTPUTS[drawn.spec] = _run_on_cpu(drawn, drawn.jitted())
-  return _JIT_OUTPUTS[drawn.spec]
-
-
-def _h100_peak(stepper, drawn) -> int:
-  args, kwargs = drawn.abstract_args()
-  return jlms.xla_memory(stepper, *args, target=TARGET, **kwargs).peak_bytes
-
-
-def _jit_peak(drawn) -> int:
-  """XLA's H100 peak of `jax.jit`'s program, with the step's donation."""
-  if drawn.spec not in _JIT_PEAKS:
-    _JIT_PEAKS[drawn.spec] = _h100_peak(drawn.jitted(), drawn)
-  return _JIT_PEAKS[drawn.spec]
-
-
-def _tolerance(drawn) -> float:
-  return F32_TOLERANCE if drawn.spec.precision == "float32" else BF16_TOLERANCE
-
-
-#: The most a bfloat16 step may differ, however sensitive it is: a wrong
-#: copy or a lost dependency differs by 1e-1 and up.
-_BF16_CEILING = 8e-2
-_JIT_NOISE: dict = {}
-
-
-def _jit_noise(drawn, steps_run: int) -> float:
-  """How far `jax.jit`'s own outputs move under a rounding XLA may choose:
-  the same program compiled with excess precision allowed (XLA's default),
-  worst over `steps_run` steps. A step whose attention, LayerNorm and
-  dropout amplify a one-ulp bfloat16 difference moves by 3.7e-2 that way
-  after one step (the attention step of `test_regressions`)."""
-  key = (drawn.spec, steps_run)
-  if key not in _JIT_NOISE:
-    options = {**_CPU_COMPILE_OPTIONS, "xla_allow_excess_precision": True}
-    moved = _run_on_cpu(drawn, drawn.jitted(), steps_run, options)
-    _JIT_NOISE[key] = max(max_relative_error(a, e) for a, e in zip(
-        moved, _jit_outputs(drawn)[:steps_run]))
-  return _JIT_NOISE[key]
-
-
-def assert_outputs_agree(drawn, actual, expected, plan=None) -> None:
-  """jlms's outputs (a list, one per step) against `jax.jit`'s, within the
-  tolerance of their dtype. A bfloat16 step that a recomputation moves by
-  a bfloat16 ulp may be sensitive enough that the difference grows past
-  that tolerance; it passes if it stays within 1.5 times what jax.jit's
-  own outputs move under another legal rounding, and below
-  `_BF16_CEILING`."""
-  errors = [max_relative_error(a, e) for a, e in zip(actual, expected)]
-  tolerance = _tolerance(drawn)
-  if max(errors) > tolerance and drawn.spec.precision != "float32":
-    noise = _jit_noise(drawn, len(actual))
-    tolerance = min(_BF16_CEILING, max(tolerance, 1.5 * noise))
-  for step, error in enumerate(errors):
-    assert error <= tolerance, (
-        f"step {step + 1}: relative error {error:.2e} (tolerance "
-        f"{tolerance:.1e})\n{plan}")
-
-
 def _describe(plan) -> str:
   if not plan.offloaded:
     return "nothing moved"
@@ -283,15 +133,15 @@ def _outputs_equal_jax_jits_over_three_steps(spec, options):
     options["budget"] = int(low + share * (high - low))
   stepper = drawn.offload(**options)
   args, kwargs = drawn.abstract_args()
-  plan = _jlms_outcome(lambda: stepper.plan(*args, **kwargs))
+  plan = checks.jlms_outcome(lambda: stepper.plan(*args, **kwargs))
   if isinstance(plan, jlms.BudgetError):
     event("budget refused")
     assert isinstance(options["budget"], int), str(plan)
     assert plan.smallest_bytes > options["budget"], str(plan)
     return
   event(_describe(plan))
-  assert_outputs_agree(drawn, _run_on_cpu(drawn, stepper),
-                       _jit_outputs(drawn), plan)
+  checks.assert_outputs_agree(drawn, checks.run_on_cpu(drawn, stepper),
+                       checks.jit_outputs(drawn), plan)
 
 
 # -- (b) H100 peak against jax.jit's -----------------------------------------
@@ -313,8 +163,8 @@ def test_h100_peak_is_at_most_jax_jits(spec, options):
   # donation; the long profile compiles that program itself too.
   peak = plan.xla_peak_bytes
   if peak is None or HYPOTHESIS_PROFILE == "long":
-    peak = _h100_peak(stepper, drawn)
-  jit_peak = _jit_peak(drawn)
+    peak = checks.h100_peak(stepper, drawn)
+  jit_peak = checks.jit_peak(drawn)
   ratio = peak / jit_peak
   note(f"XLA's H100 peak {peak} bytes, jax.jit's {jit_peak} ({ratio:.3f}x)"
        f"\n{plan}")
@@ -329,17 +179,6 @@ def test_h100_peak_is_at_most_jax_jits(spec, options):
 
 # -- (c) budgets --------------------------------------------------------------
 
-def _fitted_peak(drawn, budget, **options):
-  """(XLA's H100 peak of the plan for `budget`, the plan), or the
-  `BudgetError`."""
-  args, kwargs = drawn.abstract_args()
-  stepper = drawn.offload(budget=budget, target=TARGET, **options)
-  plan = _jlms_outcome(lambda: stepper.plan(*args, **kwargs))
-  if isinstance(plan, jlms.BudgetError):
-    return plan
-  return plan.xla_peak_bytes, plan
-
-
 @settings(max_examples=EXAMPLES["budget"])
 @given(spec=steps.step_specs(H100_FAMILIES, MAX_DEPTH),
        share=st.floats(0.05, 1.5),
@@ -351,11 +190,11 @@ def test_a_budget_fits_or_names_a_minimum_above_it_that_fits(spec, share,
   # prediction of it, as before, was refused in 90% of 20 fresh draws: for
   # steps this small XLA's peak is well above the prediction; of XLA's, 15
   # of 24 fresh draws were refused, none at a share of 1 or more.)
-  jit_peak = _jit_peak(drawn)
+  jit_peak = checks.jit_peak(drawn)
   budget = max(1, int(share * jit_peak))
   note(f"step: {spec}; budget {budget} bytes ({share:.2f} of jax.jit's "
        f"XLA peak, {jit_peak}); {options}")
-  fitted = _fitted_peak(drawn, budget, **options)
+  fitted = checks.fitted_peak(drawn, budget, **options)
   if isinstance(fitted, jlms.BudgetError):
     error = fitted
     event("refused")
@@ -364,7 +203,7 @@ def test_a_budget_fits_or_names_a_minimum_above_it_that_fits(spec, share,
     assert error.smallest_bytes is not None, str(error)
     assert error.smallest_bytes > budget, str(error)
     budget = error.smallest_bytes
-    fitted = _fitted_peak(drawn, budget, **options)
+    fitted = checks.fitted_peak(drawn, budget, **options)
     assert not isinstance(fitted, jlms.BudgetError), (
         f"the stated minimum {budget} does not fit: {fitted}")
   else:
@@ -414,10 +253,10 @@ def _any_options_run_as_jax_jit_or_fail_with_a_jlms_error(spec, options):
     options["budget"] = "min"
   stepper = drawn.offload(**options)
   args, kwargs = drawn.abstract_args()
-  plan = _jlms_outcome(lambda: stepper.plan(*args, **kwargs))
+  plan = checks.jlms_outcome(lambda: stepper.plan(*args, **kwargs))
   if isinstance(plan, jlms.BudgetError):
     event("budget refused")
     return
   event(_describe(plan))
-  assert_outputs_agree(drawn, _run_on_cpu(drawn, stepper, steps_run=1),
-                       _jit_outputs(drawn)[:1], plan)
+  checks.assert_outputs_agree(drawn, checks.run_on_cpu(drawn, stepper, steps_run=1),
+                       checks.jit_outputs(drawn)[:1], plan)

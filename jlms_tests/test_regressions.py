@@ -9,7 +9,7 @@ import pytest
 import jlms
 from jlms import _search
 from jlms._units import format_bytes
-from jlms_tests import test_properties as properties
+from jlms_tests import _drawn_checks as checks
 from jlms_tests._step_strategies import StepSpec, build
 from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
 
@@ -57,8 +57,8 @@ def test_a_donating_step_fits_a_budget_of_jax_jits_own_peak():
   # XLA was asked for the peak of jlms's programs without the step's
   # donation, so a budget that jax.jit's donating program meets was refused.
   drawn = build(StepSpec(donate=True))
-  budget = properties._jit_peak(drawn)
-  peak, plan = properties._fitted_peak(drawn, budget)
+  budget = checks.jit_peak(drawn)
+  peak, plan = checks.fitted_peak(drawn, budget)
   assert peak == budget and plan.offloaded == ()
 
 
@@ -68,15 +68,15 @@ def test_the_minimum_a_refused_budget_states_fits():
   # for this budget; a search for that much compiled other plans and
   # refused it too.
   drawn = build(StepSpec(layout="lax_scan", depth=2))
-  budget = int(0.3 * properties._jit_peak(drawn))
-  error = properties._fitted_peak(drawn, budget)
+  budget = int(0.3 * checks.jit_peak(drawn))
+  error = checks.fitted_peak(drawn, budget)
   assert isinstance(error, jlms.BudgetError)
   minimum = error.smallest_bytes
   assert minimum > budget
   message = str(error)
   assert f"a budget of {format_bytes(budget)} on {TARGET}" in message
   assert f"at least {format_bytes(minimum)}" in message
-  peak, _ = properties._fitted_peak(drawn, minimum)
+  peak, _ = checks.fitted_peak(drawn, minimum)
   assert peak <= minimum
 
 
@@ -93,7 +93,7 @@ def test_a_least_memory_plan_no_smaller_than_jax_jits_is_not_applied():
   assert plan.offloaded == ()
   assert "no lower than jax.jit's program's" in plan.not_applied
   assert "runs as jax.jit's program" in str(plan)
-  assert properties._h100_peak(stepper, drawn) == properties._jit_peak(drawn)
+  assert checks.h100_peak(stepper, drawn) == checks.jit_peak(drawn)
 
 
 @pytest.mark.slow  # 9 s on JAX 0.12: an attention step compiled four times
@@ -122,6 +122,6 @@ def test_a_sensitive_bfloat16_step_agrees_within_jax_jits_own_rounding(
   args, kwargs = drawn.abstract_args()
   plan = stepper.plan(*args, **kwargs)
   assert plan.recomputed
-  properties.assert_outputs_agree(
-      drawn, properties._run_on_cpu(drawn, stepper),
-      properties._jit_outputs(drawn), plan)
+  checks.assert_outputs_agree(
+      drawn, checks.run_on_cpu(drawn, stepper),
+      checks.jit_outputs(drawn), plan)
