@@ -38,8 +38,9 @@ Predicted step time, a transfer model and nothing more (no kernel is run):
   dense peak (495 TFLOP/s on H100 SXM, NVIDIA's datasheet) no training step
   comes near, so the FP32 peak stands in for a sustained rate.
   `--tflops` replaces it.
-- transfer = bytes moved between device and host / link bandwidth: PCIe
-  Gen5 x16 at 55 GB/s achieved for H100 and H200 (64 GB/s per direction
+- transfer = bytes moved between device and host / link bandwidth: the
+  target's host link as jlms's time model has it (`models.host_link`): PCIe
+  Gen5 x16 at 52 GB/s achieved for H100 and H200 (64 GB/s per direction
   nominal), PCIe Gen4 x16 at 25 GB/s for A100 (32 nominal), and NVLink-C2C
   at 350 GB/s as on a GH200 (450 GB/s per direction nominal) for
   comparison. `--link-gbps` replaces the PCIe figure. Bytes moved: for jlms
@@ -76,6 +77,8 @@ import statistics
 import time
 import traceback
 
+# The registry's units (`benchmarks.models.GIB`), written out here because
+# this module imports jax, and so the registry, only once the target is known.
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -90,14 +93,9 @@ DEFAULT_SIZES = {
     "gpt": (1024, 8),
 }
 
-_PCIE_GEN5_BYTES_PER_SECOND = 55e9
-_PCIE_GEN4_BYTES_PER_SECOND = 25e9
 _NVLINK_C2C_BYTES_PER_SECOND = 350e9
-_LINKS = {
-    "h100": ("PCIe Gen5 x16", _PCIE_GEN5_BYTES_PER_SECOND),
-    "h200": ("PCIe Gen5 x16", _PCIE_GEN5_BYTES_PER_SECOND),
-    "a100": ("PCIe Gen4 x16", _PCIE_GEN4_BYTES_PER_SECOND),
-}
+# The GPU targets whose host link the registry knows (`models.host_link`).
+_GPU_TARGETS = ("h100", "h200", "a100")
 _VARIANTS = ("jit", "jlms", "jlms_budget", "remat_nothing_saveable", "remat_offload")
 
 
@@ -127,9 +125,11 @@ class Hardware:
 def hardware_for(target: str, tflops: float | None, link_gbps: float | None) -> Hardware | None:
     """The transfer model's GPU: from the target's description, or None for a
     local target without `tflops` and `link_gbps`."""
-    if target in _LINKS:
+    if target in _GPU_TARGETS:
+        from benchmarks import models
+
         gpu, flops = _target_fp32_peak(target)
-        link, link_rate = _LINKS[target]
+        link, link_rate = models.host_link(target)
     elif tflops and link_gbps:
         gpu, flops, link, link_rate = target, 0.0, "given", 0.0
     else:
@@ -600,7 +600,7 @@ def markdown(result: dict) -> str:
                   "jax.jit's (a ratio of side lengths for image sizes). Both figures include "
                   "XLA's own rematerialisation, which the GPU compiler applies to any program "
                   "above its memory limit.", ""]
-        if result["target"] in _LINKS:
+        if result["target"] in _GPU_TARGETS:
             memory = int(_target_field(result["target"], "device_memory_size"))
             parts += [f"The {result['target']} target's device memory is "
                       f"{memory / GIB:.1f} GiB.", ""]

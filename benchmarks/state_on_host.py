@@ -24,8 +24,9 @@ yardstick `../shared/tools/step_time.py` (`estimate(hlo)`).
    (about 309 GiB) is compiled too. XLA's pinned host pool is left as the
    environment says (64 GB unless `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` is
    set; recorded in the JSON). Its jlms row also holds the yardstick ratio:
-   predicted time / max(compute time, state bytes / 55 GB/s), the time
-   that the state's trip over PCIe (each way at once) allows at best.
+   predicted time / max(compute time, state bytes / 52 GB/s, jlms's H100
+   link), the time that the state's trip over PCIe (each way at once)
+   allows at best.
 
 A row that fails records the first line of its error; the others go on.
 When the yardstick file is missing its columns are left empty.
@@ -51,8 +52,9 @@ from benchmarks.frontier import YARDSTICK_PATH, _cell, load_yardstick
 
 TARGET = "h100"
 GIB = models.GIB
-# PCIe Gen5 x16, achievable bytes/s per direction (the yardstick's PCIE_BW).
-PCIE_BYTES_PER_S = 55e9
+# The H100's host link (PCIe Gen5 x16), achieved bytes/s per direction:
+# jlms's own figure, the one the plans are made with.
+HOST_LINK_BYTES_PER_S = models.host_link(TARGET)[1]
 # XLA's pinned host pool for the 6.58B model, in GB.
 DONATED = (0, 1)
 
@@ -174,7 +176,7 @@ def _yardstick_ratios(row: dict) -> dict:
   """The issue's yardstick: predicted time over max(compute time, the
   state's bytes over one PCIe direction), by the plan's model and by the
   schedule model of the compiled program."""
-  transfer_ms = row["state_host_bytes"] / PCIE_BYTES_PER_S * 1e3
+  transfer_ms = row["state_host_bytes"] / HOST_LINK_BYTES_PER_S * 1e3
   ratios = {"state_transfer_ms": round(transfer_ms, 3),
             "ratio_plan": round(row["predicted_ms"] / max(
                 row["predicted_compute_ms"], transfer_ms), 3)}
@@ -250,7 +252,7 @@ def main(argv=None) -> dict:
   result = {
       "target": TARGET, "jax": jax.__version__,
       "yardstick": str(YARDSTICK_PATH) if yardstick is not None else None,
-      "pcie_bytes_per_s": PCIE_BYTES_PER_S,
+      "pcie_bytes_per_s": HOST_LINK_BYTES_PER_S,
       "host_memory_limit_gb": os.environ.get(
           "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"),
       "rows": rows,
