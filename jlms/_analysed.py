@@ -54,6 +54,9 @@ class AnalysedProgram:
   state_copies: tuple = ()
   # value id -> the argument's path in the step's arguments, for names.
   argument_names: Any = None
+  # The runs of equations that run in chunks over the batch
+  # (`jlms._batch_split`), described.
+  split_runs: tuple = ()
 
   @classmethod
   def of(cls, program: Program) -> "AnalysedProgram":

@@ -531,3 +531,63 @@ def pruned_jaxpr(closed, outputs: list[int]):
       needed.update(v for v in eqn.invars if isinstance(v, Var))
   return closed_jaxpr(jaxpr.constvars, consts, jaxpr.invars, outvars,
                       kept[::-1], jaxpr.debug_info)
+
+
+#: Where each shape parameter of a primitive lives, read by `shape_layout`:
+#: (name in `jlms._split_rules`, param name).
+_SHAPE_PARAMS = (
+    ("axes", "axes"), ("broadcast_dimensions", "broadcast_dimensions"),
+    ("dimension_numbers", "dimension_numbers"),
+    ("start_indices", "start_indices"), ("limit_indices", "limit_indices"),
+    ("strides", "strides"), ("padding_config", "padding_config"),
+    ("permutation", "permutation"), ("dimensions", "dimensions"),
+    ("dimension", "dimension"), ("axis", "axis"), ("new_sizes", "new_sizes"))
+
+
+def shape_layout(eqn) -> dict:
+  """The shape parameters `eqn` carries (axes, dimension maps, slice
+  bounds, padding), as plain ints and tuples under the names of
+  `_SHAPE_PARAMS`; a `dot_general`'s dimension numbers as
+  `((lhs contracting, rhs contracting), (lhs batch, rhs batch))`."""
+  layout = {}
+  for name, param in _SHAPE_PARAMS:
+    if param not in eqn.params:
+      continue
+    value = eqn.params[param]
+    if name == "dimension_numbers" and eqn.primitive is _prims.dot_general_p:
+      (lc, rc), (lb, rb) = value
+      value = ((tuple(map(int, lc)), tuple(map(int, rc))),
+               (tuple(map(int, lb)), tuple(map(int, rb))))
+    elif name == "padding_config":
+      value = tuple(tuple(int(x) for x in p) for p in value)
+    elif name in ("dimension", "axis"):
+      value = None if value is None else int(value)
+    elif value is not None and name != "dimension_numbers":
+      value = tuple(int(x) for x in value)
+    layout[name] = value
+  return layout
+
+
+def bind_resized(eqn, args, out_shapes) -> list:
+  """Stages `eqn` (no sub-jaxprs) on `args`, operands cut along one axis,
+  with the shape parameters that make its results `out_shapes`: the
+  target shape of a `broadcast_in_dim`, `iota` or `reshape`, a `slice`'s
+  limits. A sharding of the whole array is dropped (a slice of it is not
+  that). Its results as a list."""
+  params = dict(eqn.params)
+  out_shape = tuple(int(d) for d in out_shapes[0])
+  primitive = eqn.primitive
+  if primitive in (_prims.broadcast_in_dim_p, _prims.iota_p):
+    params["shape"] = out_shape
+  elif primitive is _prims.reshape_p:
+    params["new_sizes"] = out_shape
+  elif primitive is _prims.slice_p:
+    strides = params.get("strides") or (1,) * len(out_shape)
+    params["limit_indices"] = tuple(
+        int(start) + (size - 1) * int(stride) + 1 if size else int(start)
+        for start, size, stride in zip(params["start_indices"], out_shape,
+                                       strides))
+  if params.get("sharding") is not None:
+    params["sharding"] = None
+  out = primitive.bind(*args, **params)
+  return list(out) if primitive.multiple_results else [out]

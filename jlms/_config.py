@@ -51,6 +51,9 @@ class OffloadConfig:
       layers of `nn.scan`, `jax.lax.scan`, `fori_loop`) go to host one slice
       per iteration inside the loops, rather than whole at the top level
       (see `jlms._loops`); same `min_bytes` and `swapout_threshold` rules.
+    split_batch: a run of equations whose working set alone bounds the
+      least memory (a loss over a large vocabulary) runs chunk by chunk
+      over the batch when a budget is fitted (see `jlms._batch_split`).
     serialize: layers whose ops run strictly one after another, chained by
       barriers (see `jlms._serialize`): name-stack globs such as
       "*Inception_2/*", and equation ranges (`range(a, b)` or `(a, b)`).
@@ -63,6 +66,7 @@ class OffloadConfig:
   swapin_groupby: int | None = None
   sync_mode: SyncMode = SyncMode.SWAP_OUT
   scan_residuals: bool = True
+  split_batch: bool = True
   serialize: tuple = ()
   serialize_by_size: int | None = None
 
@@ -78,9 +82,10 @@ class OffloadConfig:
     if self.sync_mode not in (0, 1, 2, 3) or isinstance(self.sync_mode, bool):
       raise ValueError(f"jlms: sync_mode must be 0, 1, 2 or 3, got "
                        f"{self.sync_mode!r}")
-    if not isinstance(self.scan_residuals, bool):
-      raise ValueError("jlms: scan_residuals must be True or False, got "
-                       f"{self.scan_residuals!r}")
+    for name in ("scan_residuals", "split_batch"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"jlms: {name} must be True or False, got "
+                         f"{getattr(self, name)!r}")
     if self.serialize_by_size is not None and (
         not isinstance(self.serialize_by_size, int)
         or isinstance(self.serialize_by_size, bool)

@@ -463,6 +463,7 @@ def offload(fun: Callable | None = None, *,
             swapin_groupby: int | None = None,
             sync_mode: int | SyncMode | None = None,
             scan_residuals: bool = OffloadConfig.scan_residuals,
+            split_batch: bool = OffloadConfig.split_batch,
             serialize=OffloadConfig.serialize,
             serialize_by_size: int | None = OffloadConfig.serialize_by_size,
             static_argnums: int | Sequence[int] = (),
@@ -508,6 +509,12 @@ def offload(fun: Callable | None = None, *,
       slice per iteration, so device memory stays flat in the number of
       scanned layers. False: such stacks are offloaded whole, like any
       other value.
+    split_batch: True (default): when a budget is fitted, a run of
+      equations that alone needs more memory than the rest of the step (a
+      loss over a large vocabulary: logits, soft-cap, softmax, forward and
+      backward, each `batch x sequence x vocabulary`) runs as a loop over
+      chunks of the batch, as TFLMS's serialization ran a layer part by
+      part; the plan says so. False: never.
     serialize: layers whose ops must run one after another, so that large
       independent ops (an Inception block's branches) are never resident
       together: name-stack globs ("*Inception_2/*"; the Flax module path
@@ -572,7 +579,7 @@ def offload(fun: Callable | None = None, *,
   elif budget is None:
     budget = DEVICE  # fit the device the step is compiled for
   config = OffloadConfig(**given, scan_residuals=scan_residuals,
-                         serialize=serialize,
+                         split_batch=split_batch, serialize=serialize,
                          serialize_by_size=serialize_by_size)
   jit_options = dict(static_argnums=static_argnums,
                      static_argnames=static_argnames,

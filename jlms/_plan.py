@@ -137,6 +137,9 @@ class Plan:
   xla_target: str | None = None
   #: Equations chained by barriers (`serialize`).
   serialized: int = 0
+  #: The runs of equations that run chunk by chunk over the batch
+  #: (`split_batch`), one line each.
+  split_over_batch: tuple[str, ...] = ()
   #: A callable giving the time model's predicted (jax.jit's, this plan's)
   #: step times on `time_target`, evaluated when first asked for by
   #: `baseline_step_time` or `step_time` (a training loop never asks).
@@ -286,6 +289,8 @@ class Plan:
     if self.serialized:
       lines.append(f"jlms: {self.serialized} equations serialized (chained "
                    "by barriers)")
+    for run in self.split_over_batch:
+      lines.append(f"jlms: split over the batch: {run}")
     if self.baseline is not None and self.timeline is not None:
       lines.append(
           f"jlms: predicted device peak {format_bytes(self.baseline_peak_bytes)}"

@@ -22,7 +22,7 @@ import dataclasses
 import types
 from typing import Callable
 
-from jlms import _compat
+from jlms import _compat, _split_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +78,9 @@ class PrimitiveRule:
   inlined_call: bool = False
   #: A loop that runs a body of its own many times (scan, while).
   loop: bool = False
+  #: How its equation runs chunk by chunk along one axis of its values
+  #: (`jlms._split_rules`); None where it cannot (`jlms._batch_split`).
+  splits: Callable | None = None
 
 
 OPAQUE = PrimitiveRule()
@@ -142,6 +145,7 @@ def _table() -> types.MappingProxyType:
   add(("dot_general", "conv_general_dilated"),
       flops=_compat.contraction_flops)
   add(("device_put",), recomputable=False)
+  _add_split_rules(add)
   for primitive in _compat.INLINABLE_CALL_PRIMITIVES:
     rules[primitive] = dataclasses.replace(rules.get(primitive, OPAQUE),
                                            inlined_call=True)
@@ -152,6 +156,24 @@ def _table() -> types.MappingProxyType:
     rules[primitive] = dataclasses.replace(rules.get(primitive, OPAQUE),
                                            loop=True)
   return types.MappingProxyType(rules)
+
+
+def _add_split_rules(add) -> None:
+  split = _split_rules
+  add(_POINTWISE, splits=split.pointwise)
+  for names, how in (
+      (("transpose",), split.transpose), (("squeeze",), split.squeeze),
+      (("reshape",), split.reshape),
+      (("broadcast_in_dim",), split.broadcast_in_dim),
+      (("iota",), split.iota), (("reduce_sum",), split.reduce_sum),
+      (tuple(r for r in _REDUCTIONS if r != "reduce_sum"),
+       split.reduce_other),
+      (("slice",), split.slice_), (("pad",), split.pad),
+      (("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "split"),
+       split.along_axis("axis")),
+      (("rev",), split.rev), (("concatenate",), split.concatenate),
+      (("dot_general",), split.dot_general)):
+    add(names, splits=how)
 
 
 RULES = _table()

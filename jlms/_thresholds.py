@@ -39,6 +39,12 @@ class Thresholds:
   fit_min_bytes: int = 4096
   #: Equations re-emitted for one recomputation, at most (`jlms._fit`).
   recompute_max_chain: int = 64
+  #: A run of equations is split over the batch when the largest value it
+  #: would cut takes at least this (`jlms._batch_split`): below it, a loop
+  #: over chunks costs more than the memory it saves is worth.
+  batch_split_min_bytes: int = 256 << 20
+  #: The most equations one batch-split region takes in.
+  batch_split_max_equations: int = 512
 
 
 #: The thresholds in force; read by each pass when it runs.
@@ -60,4 +66,5 @@ def overridden(**fields):
 #: Thresholds that every small step crosses: each pass starts wherever
 #: its value exists at all.
 EVERY_SIZE = dict(loop_sink_min_bytes=1, streamed_leaf_min_bytes=1,
-                  state_leaf_min_bytes=1, fit_min_bytes=1)
+                  state_leaf_min_bytes=1, fit_min_bytes=1,
+                  batch_split_min_bytes=1)

@@ -12,7 +12,10 @@ fastest that fits. The ways, in order:
 - `ResidualsStreamed`: those residuals streamed through host one slice per
   iteration (`jlms._loops`).
 
-The last three start from the program with its inputs sunk. A way that
+Every way starts from the step's program with the runs of equations that
+alone bound its memory run over chunks of the batch (`jlms._batch_split`,
+where `split_batch` is on); the last three from that program with its
+inputs sunk. A way that
 cannot be built for a step (a pass that cannot rewrite its loops) is left
 out, with a debug log line that says why; the step as it is always stays.
 
@@ -28,6 +31,7 @@ import logging
 from typing import Iterator
 
 from jlms._analysed import AnalysedProgram
+from jlms._batch_split import split_runs
 from jlms._config import OffloadConfig
 from jlms._cost import time_target
 from jlms._liveness import analyse
@@ -55,6 +59,21 @@ class Way:
   liveness: object
   residuals: tuple
   description: str
+  split_runs: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Start:
+  """The program every way starts from: the step's, with the runs of
+  equations that alone bound its memory split over the batch."""
+  program: object
+  liveness: object
+  split_runs: tuple
+
+  def way(self, program, liveness, residuals, description) -> Way:
+    if self.split_runs:
+      description += f", {len(self.split_runs)} runs split over the batch"
+    return Way(program, liveness, residuals, description, self.split_runs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,16 +88,16 @@ class _Sunk:
 class LoopsAsTheyAre:
   """The step's program, unchanged."""
 
-  def ways(self, plain, sunk: _Sunk, config, target) -> Iterator[Way]:
-    yield Way(plain.program, plain.liveness, (), "loops as they are")
+  def ways(self, start, sunk: _Sunk, config, target) -> Iterator[Way]:
+    yield start.way(start.program, start.liveness, (), "loops as they are")
 
 
 class InputsMadeInLoops:
   """Hoisted masks and fills made inside the loops that read them."""
 
-  def ways(self, plain, sunk: _Sunk, config, target) -> Iterator[Way]:
+  def ways(self, start, sunk: _Sunk, config, target) -> Iterator[Way]:
     if sunk.sinks:
-      yield Way(sunk.program, sunk.liveness, (),
+      yield start.way(sunk.program, sunk.liveness, (),
                 f"loops making {len(sunk.sinks)} loop-invariant inputs "
                 "inside")
 
@@ -90,7 +109,7 @@ class LoopsRemaking:
   need only some."""
   shares: tuple = LOOP_REMAT_SHARES
 
-  def ways(self, plain, sunk: _Sunk, config, target) -> Iterator[Way]:
+  def ways(self, start, sunk: _Sunk, config, target) -> Iterator[Way]:
     pairs = loop_rematerializations(sunk.program, sunk.liveness,
                                     target=target)
     if not pairs:
@@ -104,7 +123,7 @@ class LoopsRemaking:
       seen.add(key)
       program = rematerialize_in_loops(sunk.program, chosen)
       remade = sum(len(c.residuals) for c in chosen)
-      yield Way(program, analyse(program), (),
+      yield start.way(program, analyse(program), (),
                 f"{len(chosen)} loops remaking {remade} of their residuals")
 
 
@@ -112,12 +131,12 @@ class ResidualsStreamed:
   """The residuals a forward scan stacks streamed through host, one slice
   per iteration."""
 
-  def ways(self, plain, sunk: _Sunk, config, target) -> Iterator[Way]:
+  def ways(self, start, sunk: _Sunk, config, target) -> Iterator[Way]:
     residuals = find_scan_residuals(
         sunk.program, sunk.liveness,
         dataclasses.replace(config, swapout_threshold=2))
     if residuals:
-      yield Way(sunk.program, sunk.liveness, residuals,
+      yield start.way(sunk.program, sunk.liveness, residuals,
                 f"{len(residuals)} scan residuals streamed through host")
 
 
@@ -130,25 +149,42 @@ def loop_ways(plain: AnalysedProgram, config: OffloadConfig,
               target_name: str | None) -> Iterator[Way]:
   """Each way the step's scans can run (see the module docstring); only
   the step as it is where `config.scan_residuals` is off."""
-  yield from STRATEGIES[0].ways(plain, None, config, None)
+  start = _start(plain, config)
+  yield from STRATEGIES[0].ways(start, None, config, None)
   if not config.scan_residuals:
     return
-  sunk = _sunk(plain)
+  sunk = _sunk(start)
   target = time_target(target_name)
   for strategy in STRATEGIES[1:]:
     try:
-      yield from strategy.ways(plain, sunk, config, target)
+      yield from strategy.ways(start, sunk, config, target)
     except Exception as error:  # noqa: BLE001 -- this way only
       log.debug("jlms: no %s way for this step (%s: %s)",
                 type(strategy).__name__, type(error).__name__, error)
 
 
-def _sunk(plain: AnalysedProgram) -> _Sunk:
+def _start(plain: AnalysedProgram, config: OffloadConfig) -> _Start:
+  """The step's program, with its runs split over the batch where
+  `config.split_batch` (a split that fails leaves the step as it is)."""
+  as_it_is = _Start(plain.program, plain.liveness, ())
+  if not config.split_batch:
+    return as_it_is
+  try:
+    program, described = split_runs(plain.program)
+  except Exception as error:  # noqa: BLE001 -- the split only
+    log.debug("jlms: no batch split (%s: %s)", type(error).__name__, error)
+    return as_it_is
+  if not described:
+    return as_it_is
+  return _Start(program, analyse(program), tuple(described))
+
+
+def _sunk(start: _Start) -> _Sunk:
   """Every variant below rewrites its loops anyway, and each hoisted input
   is a buffer alive through both loops: they start from it made inside."""
-  sinks = loop_sinks(plain.program, plain.liveness)
-  program, sinks = sink_into_loops(plain.program, sinks)
-  liveness = analyse(program) if sinks else plain.liveness
+  sinks = loop_sinks(start.program, start.liveness)
+  program, sinks = sink_into_loops(start.program, sinks)
+  liveness = analyse(program) if sinks else start.liveness
   return _Sunk(program, liveness, sinks)
 
 
@@ -214,7 +250,8 @@ def _placed(plain: AnalysedProgram, way: Way) -> PlacedWay:
   placed_program = place_fused_at_readers(program, liveness, fusion)
   residuals, copies = _reindexed(program, placed_program, residuals, copies)
   placed = dataclasses.replace(AnalysedProgram.of(placed_program),
-                               state=plain.state, state_copies=copies)
+                               state=plain.state, state_copies=copies,
+                               split_runs=way.split_runs)
   return PlacedWay(placed, residuals, description)
 
 

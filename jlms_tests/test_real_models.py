@@ -8,7 +8,9 @@ knobs. Each of jlms's passes starts on them: the tiny sizes of
 `benchmarks.real_models` cross each pass's size threshold (values over 4
 KiB for the fit, state leaves over 64 KiB for the host and over 1 MiB for
 the update loops, scan inputs and residual stacks over 1 MiB for the loop
-passes), and no pass may drop its way for a failure.
+passes; the least-memory plans split runs over the batch from 1 MiB, where
+the real threshold is 256 MiB), and no pass may drop its way for a
+failure.
 
 A model whose library is not installed is skipped (`pip install -e
 ".[models]"`).
@@ -24,6 +26,7 @@ import flax.linen as nn
 from flax import nnx
 
 import jlms
+from jlms import _thresholds
 from benchmarks.models import TFLMS_KNOBS
 from benchmarks.real_models import LIBRARY, REAL_MODELS
 from jlms_tests.conftest import (BF16_TOLERANCE, F32_TOLERANCE,
@@ -43,6 +46,14 @@ SCANNED = ("nnx_transformer", "equinox_transformer")
 #: (`jlms._loop_remat`), residuals streamed through host (`jlms._loops`).
 LOOP_WAYS = ("loop-invariant inputs inside", "of their residuals",
              "scan residuals streamed through host")
+#: Models whose loss over the vocabulary runs in chunks of the batch
+#: (`jlms._batch_split`): the transformers that are not scanned (the
+#: scanned ones' tiny vocabularies are too small beside their hidden
+#: states for a split to be worth it; the ResNet's batch norm reduces
+#: over the batch).
+SPLIT = ("gemma2", "llama", "gpt2")
+#: The least-memory plans split a run whose largest value takes this.
+SPLIT_BYTES = 1 << 20
 #: Heavier models (most of their time is the library's import and eager
 #: initialization, and XLA compiling their convolutions on a CPU).
 SLOW = ("gemma2", "resnet50")
@@ -88,7 +99,8 @@ class _Model:
       logger.addHandler(handler)
       logger.setLevel(logging.DEBUG)
       try:
-        plan = _plan(step, self.case)
+        with _thresholds.overridden(batch_split_min_bytes=SPLIT_BYTES):
+          plan = _plan(step, self.case)
       finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -217,6 +229,10 @@ def test_the_least_memory_plan_gives_jax_jits_outputs(model):
   if model.name in SCANNED:
     for way in LOOP_WAYS:
       assert way in log, f"no way with {way!r} was fitted:\n{log}"
+  # The loss runs in chunks of the batch, and says so.
+  assert bool(plan.split_over_batch) == (model.name in SPLIT), plan
+  if model.name in SPLIT:
+    assert "split over the batch" in str(plan), plan
   _assert_outputs_agree(model, step, plan)
 
 

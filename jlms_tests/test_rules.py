@@ -48,7 +48,8 @@ def test_rules_say_how_xla_treats_each_kind():
   assert not _rules.rule(reduce_sum).fuses_into_readers
   assert _rules.rule(transpose).relayout_only
   # A contraction: a kernel of its own, priced by its FLOPs.
-  assert dataclasses.replace(_rules.rule(dot), flops=None) == _rules.OPAQUE
+  assert dataclasses.replace(_rules.rule(dot), flops=None,
+                             splits=None) == _rules.OPAQUE
   matmul = jax.make_jaxpr(lambda a, b: a @ b)(
       jax.ShapeDtypeStruct((4, 8), "float32"),
       jax.ShapeDtypeStruct((8, 16), "float32")).jaxpr.eqns[0]

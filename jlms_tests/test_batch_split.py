@@ -1,0 +1,187 @@
+"""Runs of equations split over the batch (`jlms._batch_split`): a loss over
+a large vocabulary (logits, soft-cap, one-hot cross-entropy, forward and
+backward) is found, run in chunks of the batch, and computes what the step
+computes; equations that reduce over the batch are never cut; each rule of
+`jlms._split_rules` cuts what it may and refuses what it may not."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jlms
+from jlms import _batch_split, _compat, _program, _thresholds
+from jlms._config import OffloadConfig
+from jlms._rewrite import rewrite
+from jlms._split_rules import (SUMMED, WHOLE, SplitView, Unsplittable,
+                               broadcast_in_dim, dot_general, pointwise,
+                               reduce_other, reduce_sum, reshape)
+from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
+
+BATCH, SEQ, WIDTH, VOCAB = 8, 64, 8, 4096
+
+
+def _lm_step(batch_norm: bool = False):
+  """A tied-embedding language model's step: a gather, one tanh layer, a
+  soft-capped projection on the vocabulary and a one-hot cross-entropy of
+  the next token, as Gemma's loss; `batch_norm` centres the logits on
+  their batch mean (a reduction over the batch that no chunk can make)."""
+  def loss_fn(params, tokens):
+    x = params["embed"][tokens]
+    x = jnp.tanh(x @ params["w"])
+    logits = x @ params["embed"].T
+    logits = 30.0 * jnp.tanh(logits / 30.0)
+    if batch_norm:
+      logits = logits - logits.mean(axis=0, keepdims=True)
+    one_hot = jax.nn.one_hot(tokens[:, 1:], VOCAB)
+    return optax.softmax_cross_entropy(logits[:, :-1], one_hot).mean()
+
+  def step(params, tokens):
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+    return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), loss
+
+  keys = jax.random.split(jax.random.key(0), 3)
+  params = {"embed": jax.random.normal(keys[0], (VOCAB, WIDTH)),
+            "w": jax.random.normal(keys[1], (WIDTH, WIDTH)) / WIDTH**0.5}
+  tokens = jax.random.randint(keys[2], (BATCH, SEQ), 0, VOCAB)
+  return step, (params, tokens)
+
+
+def _program_of(step, args):
+  return _program.flatten(jax.make_jaxpr(step)(*args))
+
+
+def _run(program, args):
+  closed = rewrite(program, (), OffloadConfig())
+  jaxpr, consts = _compat.jaxpr_parts(closed)
+  return jax.jit(lambda *a: _compat.eval_jaxpr(jaxpr, consts, *a))(
+      *jax.tree.leaves(args))
+
+
+def test_the_loss_over_the_vocabulary_is_split_over_the_batch():
+  step, args = _lm_step()
+  program = _program_of(step, args)
+  with _thresholds.overridden(batch_split_min_bytes=1):
+    (split,) = _batch_split.batch_splits(program)
+  names = {program.equations[i].primitive.name for i in split.equations}
+  # Forward and backward of the loss: the projection, its soft-cap, the
+  # softmax and the one-hot product.
+  assert {"dot_general", "tanh", "exp", "reduce_max", "eq"} <= names, names
+  assert split.length == BATCH and BATCH % split.chunks == 0
+  assert split.chunks > 1
+  # The largest value cut is one of the batch x sequence x vocabulary
+  # float32 arrays; what crosses the edge is the size of hidden states.
+  assert split.largest_bytes >= BATCH * (SEQ - 1) * VOCAB * 4
+  assert split.largest_bytes >= 2 * split.edge_bytes
+  # Not below the real threshold: these values are a few hundred KiB.
+  assert _batch_split.batch_splits(program) == ()
+
+
+def test_the_split_program_computes_what_the_step_computes():
+  step, args = _lm_step()
+  program = _program_of(step, args)
+  with _thresholds.overridden(batch_split_min_bytes=1):
+    split_program, described = _batch_split.split_runs(program)
+  assert described
+  loops = [e for e in split_program.equations
+           if e.primitive is _compat.scan_p]
+  assert loops, "the region runs as a scan over chunks"
+  expected = _run(program, args)
+  actual = _run(split_program, args)
+  for a, e in zip(actual, expected):
+    assert max_relative_error(np.asarray(a), np.asarray(e)) <= F32_TOLERANCE
+
+
+def _three_steps(stepper, args):
+  params, tokens = args
+  outputs = []
+  for _ in range(3):
+    params, loss = stepper(params, tokens)
+    outputs.append((params, loss))
+  return outputs
+
+
+@pytest.mark.parametrize("split_batch", [True, False])
+def test_offload_plans_the_split_and_gives_jax_jits_outputs(split_batch):
+  step, args = _lm_step()
+  offloaded = jlms.offload(step, budget="min", split_batch=split_batch,
+                           strict=True)
+  with _thresholds.overridden(batch_split_min_bytes=1):
+    plan = offloaded.plan(*args)
+  assert bool(plan.split_over_batch) == split_batch, plan
+  assert ("split over the batch" in str(plan)) == split_batch
+  expected = _three_steps(jax.jit(step), args)
+  actual = _three_steps(offloaded, args)
+  for (ap, al), (ep, el) in zip(actual, expected):
+    assert max_relative_error(np.asarray(al), np.asarray(el)) <= F32_TOLERANCE
+    for a, e in zip(jax.tree.leaves(ap), jax.tree.leaves(ep)):
+      assert max_relative_error(np.asarray(a), np.asarray(e)) <= F32_TOLERANCE
+
+
+def test_a_reduction_over_the_batch_is_never_cut():
+  step, args = _lm_step(batch_norm=True)
+  program = _program_of(step, args)
+  with _thresholds.overridden(batch_split_min_bytes=1):
+    split_program, _ = _batch_split.split_runs(program)
+  expected = _run(program, args)
+  actual = _run(split_program, args)
+  for a, e in zip(actual, expected):
+    assert max_relative_error(np.asarray(a), np.asarray(e)) <= F32_TOLERANCE
+
+
+def test_split_over_batch_refuses_a_bad_knob():
+  with pytest.raises(ValueError, match="split_batch"):
+    OffloadConfig(split_batch="yes")
+
+
+def _view(in_shapes, out_shapes, length=4, **layout):
+  return SplitView("test", tuple(in_shapes), tuple(out_shapes), layout,
+                   length)
+
+
+def test_pointwise_cuts_full_operands_and_keeps_broadcast_ones_whole():
+  view = _view([(4, 6, 1), (4, 6, 8), ()], [(4, 6, 8)])
+  ins, outs = pointwise(view, [None, 0, None], [None])
+  assert ins == [0, 0, WHOLE] and outs == [0]
+  # A size-1 axis broadcast along the cut axis is whole in every chunk.
+  view = _view([(1, 6, 8), (4, 6, 8)], [(4, 6, 8)])
+  ins, _ = pointwise(view, [None, None], [0])
+  assert ins == [WHOLE, 0]
+
+
+def test_reductions_over_the_cut_axis_sum_or_refuse():
+  view = _view([(4, 6)], [(6,)], axes=(0,))
+  assert reduce_sum(view, [0], [None])[1] == [SUMMED]
+  with pytest.raises(Unsplittable):
+    reduce_other(view, [0], [None])
+  # Over another axis, the cut axis carries on.
+  view = _view([(4, 6)], [(4,)], axes=(1,))
+  assert reduce_other(view, [0], [None])[1] == [0]
+  assert reduce_other(view, [None], [0])[0] == [0]
+
+
+def test_dot_general_sums_a_contracted_cut_and_keeps_free_ones():
+  # (batch, width) x (batch, vocab) contracted over the batch: a weight
+  # gradient, a partial sum per chunk.
+  numbers = (((0,), (0,)), ((), ()))
+  view = _view([(4, 8), (4, 16)], [(8, 16)], dimension_numbers=numbers)
+  ins, outs = dot_general(view, [0, None], [None])
+  assert ins == [0, 0] and outs == [SUMMED]
+  # (batch, width) x (width, vocab): the batch is free on the left.
+  numbers = (((1,), (0,)), ((), ()))
+  view = _view([(4, 8), (8, 16)], [(4, 16)], dimension_numbers=numbers)
+  ins, outs = dot_general(view, [None, None], [0])
+  assert ins == [0, WHOLE] and outs == [0]
+
+
+def test_reshape_and_broadcast_map_the_cut_axis():
+  view = _view([(4, 6, 8)], [(4, 48)], new_sizes=(4, 48), dimensions=None)
+  assert reshape(view, [0], [None])[1] == [0]
+  with pytest.raises(Unsplittable):
+    reshape(_view([(2, 2, 8)], [(4, 8)], new_sizes=(4, 8),
+                  dimensions=None), [None], [0])
+  view = _view([(4, 6)], [(4, 6, 8)], broadcast_dimensions=(0, 1))
+  assert broadcast_in_dim(view, [None], [0])[0] == [0]
+  view = _view([()], [(4, 6)], broadcast_dimensions=())
+  assert broadcast_in_dim(view, [None], [0])[0] == [WHOLE]
