@@ -1178,6 +1178,15 @@ def _classifier(label, model, image_size, batch_size, remat, num_classes):
     )
 
 
+def _published_classifier(network, names, structure, published, image_size, batch_size, remat,
+                          num_classes):
+    """A classifier `network(num_classes, remat, structure)`, named
+    `names[0]` at its `published` structure, else `names[1]` and the counts."""
+    label = _label(*names, structure, published)
+    model = network(num_classes, remat, tuple(structure))
+    return _classifier(label, model, image_size, batch_size, remat, num_classes)
+
+
 _RESNET50_STAGES = (3, 4, 6, 3)
 _DENSENET121_BLOCKS = (6, 12, 24, 16)
 _MOBILENET_V2_REPEATS = tuple(repeats for _, _, repeats, _ in _MOBILENET_V2_STAGES)
@@ -1192,9 +1201,8 @@ def resnet50_case(
     `stage_blocks` (bottleneck blocks per stage) other than 3-4-6-3 gives a
     shallower or deeper ResNet, for quick tests.
     """
-    label = _label("resnet50", "resnet", stage_blocks, _RESNET50_STAGES)
-    model = _ResNet(num_classes, remat, tuple(stage_blocks))
-    return _classifier(label, model, image_size, batch_size, remat, num_classes)
+    return _published_classifier(_ResNet, ("resnet50", "resnet"), stage_blocks, _RESNET50_STAGES,
+                                 image_size, batch_size, remat, num_classes)
 
 
 def densenet121_case(
@@ -1202,9 +1210,8 @@ def densenet121_case(
 ) -> StepCase:
     """DenseNet-121 (Huang et al. 2017, growth 32, compression 0.5); SGD with
     momentum 0.9. `block_layers` are the dense layers of each block."""
-    label = _label("densenet121", "densenet", block_layers, _DENSENET121_BLOCKS)
-    model = _DenseNet(num_classes, remat, tuple(block_layers))
-    return _classifier(label, model, image_size, batch_size, remat, num_classes)
+    return _published_classifier(_DenseNet, ("densenet121", "densenet"), block_layers,
+                                 _DENSENET121_BLOCKS, image_size, batch_size, remat, num_classes)
 
 
 def mobilenet_v2_case(
@@ -1214,9 +1221,8 @@ def mobilenet_v2_case(
     `stage_repeats` are the inverted residuals of each of the seven stages."""
     if len(stage_repeats) != len(_MOBILENET_V2_STAGES):
         raise ValueError(f"stage_repeats needs {len(_MOBILENET_V2_STAGES)} counts")
-    label = _label("mobilenetv2", "mobilenetv2", stage_repeats, _MOBILENET_V2_REPEATS)
-    model = _MobileNetV2(num_classes, remat, tuple(stage_repeats))
-    return _classifier(label, model, image_size, batch_size, remat, num_classes)
+    return _published_classifier(_MobileNetV2, ("mobilenetv2", "mobilenetv2"), stage_repeats,
+                                 _MOBILENET_V2_REPEATS, image_size, batch_size, remat, num_classes)
 
 
 def inception_case(
@@ -1229,9 +1235,8 @@ def inception_case(
     count_a, count_c, count_e = block_counts
     if not (1 <= count_a <= 3 and 1 <= count_c <= 4 and count_e >= 1):
         raise ValueError(f"block_counts must be 1-3 A, 1-4 C and 1+ E blocks, got {block_counts}")
-    label = _label("inception", "inception", block_counts, _INCEPTION_V3_BLOCKS)
-    model = _Inception(num_classes, remat, tuple(block_counts))
-    return _classifier(label, model, image_size, batch_size, remat, num_classes)
+    return _published_classifier(_Inception, ("inception", "inception"), block_counts,
+                                 _INCEPTION_V3_BLOCKS, image_size, batch_size, remat, num_classes)
 
 
 def unet3d_case(
