@@ -34,7 +34,7 @@ from jlms._rewrite import rewrite
 from jlms._schedule import predict_step_time
 from jlms._serialize import serialized_equations
 from jlms._simulator import analyse_fusion, simulate
-from jlms._state import STATE_ON_HOST_COMPILER_OPTIONS, HostState
+from jlms._state import FITTED_COMPILER_OPTIONS, HostState
 from jlms._units import format_bytes
 from jlms._xla_memory import xla_memory
 
@@ -93,6 +93,9 @@ class PlannedStep:
   # The state the program takes from host and gives back there: positions
   # among the call's dynamic leaves and among its output leaves.
   state: HostState = HostState((), ())
+  # The program was fitted to a budget by jlms: it is compiled with
+  # `FITTED_COMPILER_OPTIONS`, as XLA confirmed it.
+  fitted: bool = False
 
   @property
   def rewrites_the_step(self) -> bool:
@@ -232,14 +235,16 @@ class _HostArguments:
 
 
 def xla_peak(jit_params, rewritten, abstract, target, donated=(),
-             host_inputs=()) -> int:
+             host_inputs=(), fitted: bool = True) -> int:
   """XLA's peak of `rewritten` on `target`, its `donated` leaves donated
   as the step donates them (XLA reuses their buffers for outputs), its
-  `host_inputs` leaves taken from pinned host memory."""
+  `host_inputs` leaves taken from pinned host memory; compiled as a
+  `fitted` plan runs (`FITTED_COMPILER_OPTIONS`), or as jax.jit compiles
+  the step."""
   def program_fn(*leaves):
     return _compat.bind_jit(jit_params, rewritten,
                             placed_for(leaves, host_inputs))
-  options = dict(STATE_ON_HOST_COMPILER_OPTIONS) if host_inputs else None
+  options = dict(FITTED_COMPILER_OPTIONS) if fitted else None
   jitted = jax.jit(program_fn, donate_argnums=donated,
                    compiler_options=options)
   return xla_memory(_HostArguments(jitted, host_inputs), *abstract,

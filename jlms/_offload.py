@@ -36,7 +36,7 @@ from jlms._plan import Plan
 from jlms._planning import StepPlanner
 from jlms._options import DEVICE, KNOBS, search_options
 from jlms._search import NOT_FALLEN_BACK_FROM, tradeoff
-from jlms._state import STATE_ON_HOST_COMPILER_OPTIONS
+from jlms._state import FITTED_COMPILER_OPTIONS
 from jlms._tradeoff import Tradeoff
 from jlms._units import format_bytes
 from jlms._verify import compare_memory_of_call
@@ -77,10 +77,11 @@ class OffloadedStep:
         donate_argnums=donate_argnums, donate_argnames=donate_argnames)
     self._jitted = jax.jit(_named_like(self._rewritten, fun),
                            **self.jit_options)
-    # The same, for signatures whose state the plan keeps on host.
-    self._jitted_state_on_host = jax.jit(
+    # The same, for signatures whose program jlms fitted to a budget:
+    # compiled as XLA confirmed it, its rematerialization off.
+    self._jitted_fitted = jax.jit(
         _named_like(self._rewritten, fun),
-        compiler_options=dict(STATE_ON_HOST_COMPILER_OPTIONS),
+        compiler_options=dict(FITTED_COMPILER_OPTIONS),
         **self.jit_options)
     # jax.jit's own program, for signatures whose program jlms failed to
     # compile (jax.jit keeps the trace of `_rewritten` that failed).
@@ -136,8 +137,12 @@ class OffloadedStep:
     jlms's failed to compile."""
     if self._has_fallen_back(args, kwargs):
       return self._plain_jitted
-    if self._keeps_state_on_host(args, kwargs):
-      return self._jitted_state_on_host
+    analysis, leaves = self._analysis(args, kwargs)
+    # Inside another trace the outer jit compiles the step: JAX takes
+    # compiler options on the top-level jit only.
+    if (analysis.failure is None and analysis.fitted
+        and not any(isinstance(x, jax.core.Tracer) for x in leaves)):
+      return self._jitted_fitted
     return self._jitted
 
   def _has_fallen_back(self, args, kwargs) -> bool:
@@ -152,13 +157,6 @@ class OffloadedStep:
     return (self.budget is not KNOBS and self.state_on_host is not False
             and bool(self.jit_options["donate_argnums"]
                      or self.jit_options["donate_argnames"]))
-
-  def _keeps_state_on_host(self, args, kwargs) -> bool:
-    """Whether the plan for these arguments keeps state on host."""
-    if not self._may_keep_state_on_host():
-      return False
-    analysis = self._analysis(args, kwargs)[0]
-    return analysis.failure is None and bool(analysis.state)
 
   def _after_failure(self, error: Exception, args, kwargs):
     """The step's outputs by jax.jit's program when `error` is a failure of
@@ -293,7 +291,7 @@ class OffloadedStep:
     pinned host memory, as on a GPU, even from abstract arguments of
     compile-only devices (which carry no memory kind)."""
     program = self._program_for(args, kwargs)
-    if program is self._jitted_state_on_host:
+    if program is self._jitted_fitted:
       analysis = self._analysis(args, kwargs)[0]
       if analysis.failure is None and analysis.state:
         # Lowered for the state in pinned host memory, as `__call__` runs
