@@ -12,6 +12,10 @@ batch that does not fit an H100 under `jax.jit`), and each configuration:
   seconds to trace, plan and confirm it with XLA (the plan's own
   compiles), then XLA's peak and host bytes of the program that runs;
 - "min": the same with `budget="min"`;
+- "remat": `jax.jit` of the model with each block under `nn.remat`
+  (`REAL_MODELS[name](size, remat=True)`), the peer jlms is held to;
+- "remat-peak": jlms with the budget of the "remat" row's XLA peak (which
+  runs it first, if it is not asked for before);
 - any size ("52.5GiB"): the same with that budget.
 
 Times: jlms's prediction (its H100 time model) and the schedule model of
@@ -108,8 +112,23 @@ def main(argv=None) -> None:
   rows = []
   for name in options.models:
     real = real_models.REAL_MODELS[name]("realistic")
+    remat_row = None
     for config in options.configs:
-      rows.append(measure(real, config, yardstick))
+      if config in ("remat", "remat-peak") and remat_row is None:
+        remat = real_models.REAL_MODELS[name]("realistic", remat=True)
+        remat_row = dict(measure(remat, "jit", yardstick), model=real.name,
+                         config="remat")
+        rows.append(remat_row)
+        print_table(rows[-1:])
+      if config == "remat":
+        continue
+      if config == "remat-peak":
+        if remat_row["peak_gib"] is None:
+          continue
+        row = measure(real, f"{remat_row['peak_gib']}GiB", yardstick)
+      else:
+        row = measure(real, config, yardstick)
+      rows.append(row)
       print_table(rows[-1:])
   print()
   print_table(rows)

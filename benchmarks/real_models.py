@@ -48,6 +48,17 @@ What holds for each `RealStep`:
   `nnx.jit`), `offload(**options)` the step under jlms (`jlms.offload`
   with the donation, or `jlms.offload_nnx`).
 
+`REAL_MODELS[name](size, remat=True)` is the same model with each block
+(decoder layer, ResNet bottleneck) under Flax's `nn.remat`, nothing saved,
+as a user would write per-block rematerialization: the peer jlms is held
+to. The Python-loop libraries have no such option (the gemma, Llama,
+GPT-2 and ResNet Flax ports), so their layer class is replaced by a
+subclass that runs the library's own `__call__` under `nn.remat`, while
+the step traces (`_blocks_rematerialized`; gemma's while its
+`Transformer` sets up); the NNX decoder's scanned
+block runs under `nnx.remat`, the Equinox decoder's under
+`jax.checkpoint`.
+
 The model libraries (but Flax, a dependency of jlms) are imported inside
 the builders: this module imports without them (`pip install -e
 ".[models]"` installs them).
@@ -143,10 +154,73 @@ def _check_size(size):
         raise ValueError(f"size must be one of {SIZES}, not {size!r}")
 
 
+def _rematerialized(layer_class):
+    """`layer_class` (a Flax linen module) whose `__call__` runs under
+    `nn.remat`: its array arguments are the checkpoint's inputs, anything
+    else (flags such as `deterministic`, a None cache) stays Python."""
+    import flax.linen as nn
+
+    class Rematerialized(layer_class):
+        def __call__(self, *args, **kwargs):
+            leaves, tree = jax.tree.flatten((args, kwargs),
+                                            is_leaf=lambda x: x is None)
+            arrays = [i for i, leaf in enumerate(leaves)
+                      if isinstance(leaf, jax.Array)]
+
+            def run(module, *values):
+                given = list(leaves)
+                for i, value in zip(arrays, values):
+                    given[i] = value
+                args, kwargs = jax.tree.unflatten(tree, given)
+                return layer_class.__call__(module, *args, **kwargs)
+
+            return nn.remat(run)(self, *(leaves[i] for i in arrays))
+
+    Rematerialized.__name__ = layer_class.__name__
+    return Rematerialized
+
+
+def _blocks_rematerialized(step, module, class_name: str):
+    """`step` that, while it runs (traces), finds `module.class_name`
+    rematerialized, so the model's `setup` builds its blocks under
+    `nn.remat`."""
+    @functools.wraps(step)
+    def rematerialized(*args):
+        layer_class = getattr(module, class_name)
+        setattr(module, class_name, _rematerialized(layer_class))
+        try:
+            return step(*args)
+        finally:
+            setattr(module, class_name, layer_class)
+
+    return rematerialized
+
+
+def _setup_rematerialized(model_class, module, class_name: str):
+    """A subclass of the Flax module `model_class` whose `setup` builds its
+    blocks of `module.class_name` rematerialized. A class of its own, not
+    a patched step: gemma's `Transformer.__call__` is an `nn.jit` whose
+    cache would hand an equal module's trace back."""
+    class Rematerialized(model_class):
+        def setup(self):
+            layer_class = getattr(module, class_name)
+            setattr(module, class_name, _rematerialized(layer_class))
+            try:
+                super().setup()
+            finally:
+                setattr(module, class_name, layer_class)
+
+    return Rematerialized
+
+
+def _remat_name(name: str, remat: bool) -> str:
+    return f"{name}-remat" if remat else name
+
+
 # --- Gemma2 (DeepMind's gemma package) ------------------------------------
 
 
-def gemma2(size: str = "tiny") -> RealStep:
+def gemma2(size: str = "tiny", remat: bool = False) -> RealStep:
     """Gemma2, a `gemma.gm.nn.Transformer` of a `TransformerConfig`: tiny
     is 2 layers (one local sliding window of 128, one global), width 64,
     MLP 128, 2 query heads and 1 key/value head of 32, vocabulary 8192
@@ -187,7 +261,11 @@ def gemma2(size: str = "tiny") -> RealStep:
             use_post_ffw_norm=True, attn_logits_soft_cap=50.0,
             sliding_window_size=4096)
         batch, seq = 16, 2048
-    model = gm.nn.Transformer(config=config)
+    model_class = gm.nn.Transformer
+    if remat:
+        from gemma.gm.nn import _modules
+        model_class = _setup_rematerialized(model_class, _modules, "Block")
+    model = model_class(config=config)
     vocab = model.config.num_embed
     optimizer = _adamw()
 
@@ -208,7 +286,8 @@ def gemma2(size: str = "tiny") -> RealStep:
                             jnp.zeros((1, 8), jnp.int32))["params"]
         return (params, optimizer.init(params)), _tokens(batch, seq, vocab)
 
-    return _pure(f"gemma2-{size}", step, make_args, "bfloat16")
+    return _pure(_remat_name(f"gemma2-{size}", remat), step, make_args,
+                 "bfloat16")
 
 
 # --- Hugging Face transformers (Flax) --------------------------------------
@@ -245,19 +324,23 @@ def _causal_lm_args(model, optimizer, batch, seq, vocab):
     return make_args
 
 
-def _causal_lm(name, model_class, config, batch, seq, dropout: bool
-               ) -> RealStep:
+def _causal_lm(name, model_class, config, batch, seq, dropout: bool,
+               remat_layer=None) -> RealStep:
     """A Hugging Face Flax causal LM of `config`, float32, trained by
-    AdamW on `batch` x `seq` tokens."""
+    AdamW on `batch` x `seq` tokens; `remat_layer` (module, class name):
+    that layer class rematerialized."""
     model = model_class(config, dtype=jnp.float32, _do_init=False)
     optimizer = _adamw()
     step = _causal_lm_step(model, optimizer, dropout=dropout)
     make_args = _causal_lm_args(model, optimizer, batch, seq,
                                 config.vocab_size)
-    return _pure(name, step, make_args)
+    if remat_layer is not None:
+        step = _blocks_rematerialized(step, *remat_layer)
+    return _pure(_remat_name(name, remat_layer is not None), step,
+                 make_args)
 
 
-def llama(size: str = "tiny") -> RealStep:
+def llama(size: str = "tiny", remat: bool = False) -> RealStep:
     """`FlaxLlamaForCausalLM` from a `LlamaConfig`, float32: tiny is 2
     layers of width 64 (4 heads, 2 key/value heads, MLP 128), vocabulary
     4096 (the embedding and the head 1 MiB each), batch 2 x sequence 256
@@ -280,11 +363,15 @@ def llama(size: str = "tiny") -> RealStep:
                              max_position_embeddings=2048,
                              rope_theta=500000.0, tie_word_embeddings=True)
         batch, seq = 4, 2048
-    return _causal_lm(f"llama-{size}", FlaxLlamaForCausalLM, config, batch,
-                      seq, dropout=False)
+    from transformers.models.llama import modeling_flax_llama
+    return _causal_lm(
+        f"llama-{size}", FlaxLlamaForCausalLM, config, batch, seq,
+        dropout=False,
+        remat_layer=((modeling_flax_llama, "FlaxLlamaDecoderLayer")
+                     if remat else None))
 
 
-def gpt2(size: str = "tiny") -> RealStep:
+def gpt2(size: str = "tiny", remat: bool = False) -> RealStep:
     """`FlaxGPT2LMHeadModel` from a `GPT2Config`, float32, dropout on (0.1,
     drawn from a key in the state): tiny is 2 layers of width 64, 4 heads,
     vocabulary 4096 (the tied embedding 1 MiB), batch 2 x sequence 256
@@ -301,11 +388,15 @@ def gpt2(size: str = "tiny") -> RealStep:
     else:
         config = GPT2Config(n_embd=1024, n_layer=24, n_head=16)
         batch, seq = 8, 1024
-    return _causal_lm(f"gpt2-{size}", FlaxGPT2LMHeadModel, config, batch,
-                      seq, dropout=True)
+    from transformers.models.gpt2 import modeling_flax_gpt2
+    return _causal_lm(
+        f"gpt2-{size}", FlaxGPT2LMHeadModel, config, batch, seq,
+        dropout=True,
+        remat_layer=((modeling_flax_gpt2, "FlaxGPT2Block") if remat
+                     else None))
 
 
-def resnet50(size: str = "tiny") -> RealStep:
+def resnet50(size: str = "tiny", remat: bool = False) -> RealStep:
     """`FlaxResNetForImageClassification` from a `ResNetConfig` (bottleneck
     blocks, BatchNorm statistics updated each step), float32: tiny is one
     block a stage, widths 32, 64, 128 and 1024 (the last 3x3 kernel 2.25
@@ -350,13 +441,17 @@ def resnet50(size: str = "tiny") -> RealStep:
                                     config.num_labels, jnp.int32)
         return (params, batch_stats, optimizer.init(params)), images, labels
 
-    return _pure(f"resnet50-{size}", step, make_args)
+    if remat:
+        from transformers.models.resnet import modeling_flax_resnet
+        step = _blocks_rematerialized(step, modeling_flax_resnet,
+                                      "FlaxResNetBottleNeckLayer")
+    return _pure(_remat_name(f"resnet50-{size}", remat), step, make_args)
 
 
 # --- Flax NNX ------------------------------------------------------------------
 
 
-def nnx_transformer(size: str = "tiny") -> RealStep:
+def nnx_transformer(size: str = "tiny", remat: bool = False) -> RealStep:
     """A decoder of Flax NNX layers, its blocks under `nnx.scan`, each
     making its causal mask from its input (`nnx.make_causal_mask`),
     float32: tiny is 4 blocks of width 128 (each MLP kernel stack 1 MiB),
@@ -401,6 +496,8 @@ def nnx_transformer(size: str = "tiny") -> RealStep:
         def __call__(self, tokens):
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
             def run(x, block):
+                if remat:
+                    return nnx.remat(lambda b, y: b(y))(block, x)
                 return block(x)
 
             x = run(self.embed(tokens), self.blocks)
@@ -425,14 +522,16 @@ def nnx_transformer(size: str = "tiny") -> RealStep:
         objects = nnx.eval_shape(make_objects)
         return (*objects, jax.ShapeDtypeStruct((batch, seq), jnp.int32))
 
-    return RealStep(f"nnx_transformer-{size}", step, make_args,
+    return RealStep(_remat_name(f"nnx_transformer-{size}", remat), step,
+                    make_args,
                     abstract_args, nnx=True)
 
 
 # --- Equinox -------------------------------------------------------------------
 
 
-def equinox_transformer(size: str = "tiny") -> RealStep:
+def equinox_transformer(size: str = "tiny", remat: bool = False
+                        ) -> RealStep:
     """An Equinox decoder: blocks of `eqx.nn.LayerNorm`,
     `eqx.nn.MultiheadAttention` (causal) and `eqx.nn.MLP`, stacked by
     `eqx.filter_vmap` and run by `jax.lax.scan`, batched by `jax.vmap`,
@@ -492,6 +591,8 @@ def equinox_transformer(size: str = "tiny") -> RealStep:
             def layer(x, block_arrays):
                 return eqx.combine(block_arrays, static)(x, mask), None
 
+            if remat:
+                layer = jax.checkpoint(layer)
             x, _ = jax.lax.scan(layer, x, arrays)
             return jax.vmap(self.head)(jax.vmap(self.norm)(x))
 
@@ -517,7 +618,8 @@ def equinox_transformer(size: str = "tiny") -> RealStep:
         arrays = eqx.filter(Decoder(jax.random.key(_SEED)), eqx.is_array)
         return (arrays, optimizer.init(arrays)), _tokens(batch, seq, vocab)
 
-    return _pure(f"equinox_transformer-{size}", step, make_args)
+    return _pure(_remat_name(f"equinox_transformer-{size}", remat), step,
+                 make_args)
 
 
 #: The builders, by name: `REAL_MODELS[name](size)` is a `RealStep`.

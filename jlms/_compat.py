@@ -572,8 +572,8 @@ def bind_resized(eqn, args, out_shapes) -> list:
   """Stages `eqn` (no sub-jaxprs) on `args`, operands cut along one axis,
   with the shape parameters that make its results `out_shapes`: the
   target shape of a `broadcast_in_dim`, `iota` or `reshape`, a `slice`'s
-  limits. A sharding of the whole array is dropped (a slice of it is not
-  that). Its results as a list."""
+  limits. A sharding of the whole array (`sharding`, `out_sharding`) is
+  dropped (a slice of it is not that). Its results as a list."""
   params = dict(eqn.params)
   out_shape = tuple(int(d) for d in out_shapes[0])
   primitive = eqn.primitive
@@ -587,7 +587,8 @@ def bind_resized(eqn, args, out_shapes) -> list:
         int(start) + (size - 1) * int(stride) + 1 if size else int(start)
         for start, size, stride in zip(params["start_indices"], out_shape,
                                        strides))
-  if params.get("sharding") is not None:
-    params["sharding"] = None
+  for name in ("sharding", "out_sharding"):
+    if params.get(name) is not None:
+      params[name] = None
   out = primitive.bind(*args, **params)
   return list(out) if primitive.multiple_results else [out]

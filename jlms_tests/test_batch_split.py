@@ -130,6 +130,24 @@ def test_a_reduction_over_the_batch_is_never_cut():
     assert max_relative_error(np.asarray(a), np.asarray(e)) <= F32_TOLERANCE
 
 
+def test_a_region_whose_span_has_ordered_effects_is_not_split():
+  # The rewrite moves the equations of the span around the loop: two
+  # ordered prints between the loss and its backward would swap.
+  def loss_fn(params, tokens):
+    x = jnp.tanh(params["embed"][tokens] @ params["w"])
+    logits = x @ params["embed"].T
+    loss = optax.softmax_cross_entropy(
+        logits, jax.nn.one_hot(tokens, VOCAB)).mean()
+    jax.debug.print("loss {}", loss, ordered=True)
+    jax.debug.print("w {}", params["w"].sum(), ordered=True)
+    return loss
+
+  _, args = _lm_step()
+  program = _program_of(jax.grad(loss_fn), args)
+  with _thresholds.overridden(batch_split_min_bytes=1):
+    assert _batch_split.batch_splits(program) == ()
+
+
 def test_split_over_batch_refuses_a_bad_knob():
   with pytest.raises(ValueError, match="split_batch"):
     OffloadConfig(split_batch="yes")

@@ -273,3 +273,22 @@ def test_tflms_knobs_copy_to_host_and_stream_scan_residuals(model):
   if model.name in SCANNED:
     assert any(v.streamed for v in copied), plan
   _assert_outputs_agree(model, step, plan)
+
+
+@pytest.mark.parametrize("name", _params(list(REAL_MODELS)))
+def test_the_remat_variant_remakes_each_block_and_trains_the_same(name):
+  # The peer of the benchmarks (`REAL_MODELS[name](size, remat=True)`):
+  # the same model, each block under the library's remat (a checkpoint
+  # in the step), the same loss.
+  pytest.importorskip(LIBRARY[name])
+  plain = REAL_MODELS[name]("tiny")
+  remat = REAL_MODELS[name]("tiny", remat=True)
+  assert remat.name == plain.name + "-remat"
+  if not remat.nnx:
+    text = str(jax.make_jaxpr(remat.step)(*remat.abstract_args()))
+    assert "checkpoint" in text or "remat" in text
+    assert not ("checkpoint" in str(jax.make_jaxpr(plain.step)(
+        *plain.abstract_args())))
+  losses = [np.asarray(jax.tree.leaves(case.jitted()(*case.make_args()))[-1])
+            for case in (plain, remat)]
+  np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
