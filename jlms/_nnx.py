@@ -71,6 +71,13 @@ class OffloadedNnxStep:
     _, graphdef, state, rest = self._split(args)
     return self.offloaded.plan(graphdef, state, *rest)
 
+  def lower(self, *args) -> "jax.stages.Lowered":
+    """The `jax.stages.Lowered` of the program that runs for these objects
+    and arrays (what `jlms.xla_memory` compiles; `jax.jit` of this object
+    would trace the objects as a pytree instead)."""
+    _, graphdef, state, rest = self._split(args)
+    return self.offloaded.lower(graphdef, state, *rest)
+
   def memory(self, *args, target: str = "h100"):
     """XLA's memory with and without jlms, as `OffloadedStep.memory`."""
     _, graphdef, state, rest = self._split(args)

@@ -292,3 +292,16 @@ def test_the_remat_variant_remakes_each_block_and_trains_the_same(name):
   losses = [np.asarray(jax.tree.leaves(case.jitted()(*case.make_args()))[-1])
             for case in (plain, remat)]
   np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+
+
+def test_xla_memory_of_an_nnx_step_compiles_the_whole_step():
+  # `jlms.xla_memory` lowers a step through its own `lower`: for
+  # `offload_nnx`, the program that runs on the split state, not a jit of
+  # the objects (which once measured a program of a fifth of the matmuls).
+  pytest.importorskip(LIBRARY["nnx_transformer"])
+  case = REAL_MODELS["nnx_transformer"]("tiny")
+  args = case.abstract_args()
+  texts = [case.jitted().lower(*args).as_text(),
+           case.offload().lower(*args).as_text()]
+  dots = [text.count("dot_general") for text in texts]
+  assert dots[0] > 0 and dots[1] == dots[0], dots
