@@ -28,9 +28,12 @@ chunk, each chunk's partial sum rounded to its dtype (for bfloat16, about
 7e-3 relative over 16 chunks in a review's checks) before the float32
 total; a region that any equation of it cannot split, that has ordered
 effects in its span, or that is not worth splitting, is left as it is.
-Not split (yet): a gather along the cut axis (`take_along_axis`, optax's
-integer-label cross-entropy) and a reshape that merges the cut axis into
-a larger one (logits `(B, S, V)` to `(B * S, V)`).
+Gathers and scatter-adds are cut along their batching axes (optax's
+integer-label cross-entropy, `take_along_axis`) and along the axes of a
+window they take whole. Not split (yet): a reshape that merges the cut
+axis into a larger one (logits `(B, S, V)` to `(B * S, V)`), and a
+scatter-add whose indices alone are cut (each chunk would add into the
+whole operand).
 """
 
 from __future__ import annotations

@@ -541,7 +541,20 @@ _SHAPE_PARAMS = (
     ("start_indices", "start_indices"), ("limit_indices", "limit_indices"),
     ("strides", "strides"), ("padding_config", "padding_config"),
     ("permutation", "permutation"), ("dimensions", "dimensions"),
-    ("dimension", "dimension"), ("axis", "axis"), ("new_sizes", "new_sizes"))
+    ("dimension", "dimension"), ("axis", "axis"), ("new_sizes", "new_sizes"),
+    ("slice_sizes", "slice_sizes"))
+_INDEXING = frozenset(primitives_named("gather", "scatter_add"))
+
+
+def _index_dimension_numbers(numbers) -> dict:
+  """A gather's or scatter's dimension numbers as plain tuples (batching
+  dims are empty in a JAX without them)."""
+  fields = ("offset_dims", "collapsed_slice_dims", "start_index_map",
+            "operand_batching_dims", "start_indices_batching_dims",
+            "update_window_dims", "inserted_window_dims",
+            "scatter_dims_to_operand_dims", "scatter_indices_batching_dims")
+  return {name: tuple(int(d) for d in getattr(numbers, name))
+          for name in fields if hasattr(numbers, name)}
 
 
 def shape_layout(eqn) -> dict:
@@ -558,6 +571,8 @@ def shape_layout(eqn) -> dict:
       (lc, rc), (lb, rb) = value
       value = ((tuple(map(int, lc)), tuple(map(int, rc))),
                (tuple(map(int, lb)), tuple(map(int, rb))))
+    elif name == "dimension_numbers" and eqn.primitive in _INDEXING:
+      value = _index_dimension_numbers(value)
     elif name == "padding_config":
       value = tuple(tuple(int(x) for x in p) for p in value)
     elif name in ("dimension", "axis"):
@@ -581,6 +596,11 @@ def bind_resized(eqn, args, out_shapes) -> list:
     params["shape"] = out_shape
   elif primitive is _prims.reshape_p:
     params["new_sizes"] = out_shape
+  elif primitive is _prims.gather_p:
+    # A window taken whole along the cut axis is cut with it.
+    operand = args[0].shape
+    params["slice_sizes"] = tuple(min(int(size), int(operand[d])) for d, size
+                                  in enumerate(params["slice_sizes"]))
   elif primitive is _prims.slice_p:
     strides = params.get("strides") or (1,) * len(out_shape)
     params["limit_indices"] = tuple(

@@ -172,7 +172,8 @@ def _add_split_rules(add) -> None:
       (("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "split"),
        split.along_axis("axis")),
       (("rev",), split.rev), (("concatenate",), split.concatenate),
-      (("dot_general",), split.dot_general)):
+      (("dot_general",), split.dot_general), (("gather",), split.gather),
+      (("scatter_add",), split.scatter_add)):
     add(names, splits=how)
 
 

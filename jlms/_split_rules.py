@@ -277,3 +277,77 @@ def dot_general(view: SplitView, ins, outs):
   return ([_settle(lhs, l, "dot_general's lhs"),
            _settle(rhs, r, "dot_general's rhs")],
           [_settle(out, o, "dot_general's result")])
+
+
+def _settled_way(view: SplitView, ins, outs, ways, what: str):
+  """Operand and result axes by the one way (an axis or WHOLE per operand,
+  then the result's) that the known axes name."""
+  known = {w for w in ways
+           if any(isinstance(d, int) and d == a
+                  for d, a in zip(list(ins) + list(outs), w))}
+  if not known:
+    if any(isinstance(d, int) for d in list(ins) + list(outs)):
+      raise Unsplittable(f"{what} cannot cut that axis")
+    return ins, outs
+  if len(known) > 1:
+    raise Unsplittable(f"{what}'s operands are cut along unpaired axes")
+  (way,) = known
+  shapes = list(view.in_shapes) + list(view.out_shapes)
+  for axis, shape in zip(way, shapes):
+    if isinstance(axis, int):
+      _check_length(view, shape, axis, f"{what}'s value")
+  settled = [_settle(d, a, f"a value of {what}")
+             for d, a in zip(list(ins) + list(outs), way)]
+  return settled[:len(ins)], settled[len(ins):]
+
+
+def gather(view: SplitView, ins, outs):
+  """A batching axis is cut in the operand, the indices and the result
+  (`take_along_axis`); an axis of the indices alone, in the indices and
+  the result, the operand whole (an embedding lookup); a window the
+  gather takes whole along an axis of the operand, in the operand and the
+  result, the indices whole (its slice size is cut with it)."""
+  numbers = view.layout["dimension_numbers"]
+  operand_rank = len(view.in_shapes[0])
+  index_rank = len(view.in_shapes[1])
+  out_rank = len(view.out_shapes[0])
+  offset = numbers["offset_dims"]
+  batch_out = [d for d in range(out_rank) if d not in offset]
+  operand_batching = numbers.get("operand_batching_dims", ())
+  index_batching = numbers.get("start_indices_batching_dims", ())
+  ways = [(o, i, batch_out[i])
+          for o, i in zip(operand_batching, index_batching)]
+  ways += [(WHOLE, i, batch_out[i]) for i in range(index_rank - 1)
+           if i not in index_batching]
+  windows = [d for d in range(operand_rank)
+             if d not in numbers["collapsed_slice_dims"]
+             and d not in operand_batching]
+  sizes = view.layout["slice_sizes"]
+  ways += [(d, WHOLE, offset[n]) for n, d in enumerate(windows)
+           if d not in numbers["start_index_map"]
+           and sizes[d] == view.in_shapes[0][d]]
+  return _settled_way(view, ins, outs, ways, "gather")
+
+
+def scatter_add(view: SplitView, ins, outs):
+  """A batching axis is cut in the operand, the indices, the updates and
+  the result; a window written whole along an axis of the operand, in the
+  operand, the updates and the result, the indices whole. (An axis of the
+  indices alone would add each chunk's updates into the whole operand:
+  not split.)"""
+  numbers = view.layout["dimension_numbers"]
+  operand_rank = len(view.in_shapes[0])
+  update_rank = len(view.in_shapes[2])
+  window = numbers["update_window_dims"]
+  scatter_dims = [d for d in range(update_rank) if d not in window]
+  operand_batching = numbers.get("operand_batching_dims", ())
+  index_batching = numbers.get("scatter_indices_batching_dims", ())
+  ways = [(o, i, scatter_dims[i], o)
+          for o, i in zip(operand_batching, index_batching)]
+  windows = [d for d in range(operand_rank)
+             if d not in numbers["inserted_window_dims"]
+             and d not in operand_batching]
+  ways += [(d, WHOLE, window[n], d) for n, d in enumerate(windows)
+           if d not in numbers["scatter_dims_to_operand_dims"]
+           and view.in_shapes[2][window[n]] == view.in_shapes[0][d]]
+  return _settled_way(view, ins, outs, ways, "scatter-add")

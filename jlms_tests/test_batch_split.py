@@ -22,11 +22,13 @@ from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
 BATCH, SEQ, WIDTH, VOCAB = 8, 64, 8, 4096
 
 
-def _lm_step(batch_norm: bool = False):
+def _lm_step(batch_norm: bool = False, integer_labels: bool = False):
   """A tied-embedding language model's step: a gather, one tanh layer, a
   soft-capped projection on the vocabulary and a one-hot cross-entropy of
   the next token, as Gemma's loss; `batch_norm` centres the logits on
-  their batch mean (a reduction over the batch that no chunk can make)."""
+  their batch mean (a reduction over the batch that no chunk can make);
+  `integer_labels` takes optax's integer-label cross-entropy instead
+  (`take_along_axis`: a gather, and a scatter-add backward)."""
   def loss_fn(params, tokens):
     x = params["embed"][tokens]
     x = jnp.tanh(x @ params["w"])
@@ -34,6 +36,9 @@ def _lm_step(batch_norm: bool = False):
     logits = 30.0 * jnp.tanh(logits / 30.0)
     if batch_norm:
       logits = logits - logits.mean(axis=0, keepdims=True)
+    if integer_labels:
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits[:, :-1], tokens[:, 1:]).mean()
     one_hot = jax.nn.one_hot(tokens[:, 1:], VOCAB)
     return optax.softmax_cross_entropy(logits[:, :-1], one_hot).mean()
 
@@ -78,12 +83,17 @@ def test_the_loss_over_the_vocabulary_is_split_over_the_batch():
   assert _batch_split.batch_splits(program) == ()
 
 
-def test_the_split_program_computes_what_the_step_computes():
-  step, args = _lm_step()
+@pytest.mark.parametrize("integer_labels", [False, True])
+def test_the_split_program_computes_what_the_step_computes(integer_labels):
+  step, args = _lm_step(integer_labels=integer_labels)
   program = _program_of(step, args)
   with _thresholds.overridden(batch_split_min_bytes=1):
     split_program, described = _batch_split.split_runs(program)
+    (split,) = _batch_split.batch_splits(program)
   assert described
+  names = {program.equations[i].primitive.name for i in split.equations}
+  if integer_labels:  # the label's gather and its scatter-add are cut
+    assert {"gather", "scatter-add"} <= names, names
   loops = [e for e in split_program.equations
            if e.primitive is _compat.scan_p]
   assert loops, "the region runs as a scan over chunks"
