@@ -444,20 +444,26 @@ def test_state_above_the_host_budget_is_refused_before_running():
 def test_gpt_device_peak_is_flat_in_depth_with_state_on_host(monkeypatch):
   """Issue 15: the scanned GPT (sequence 1024, width 512, 8 heads, batch
   8, AdamW) at budget="min", arguments donated: XLA's H100 peak at 24
-  layers within 15% of 12 layers', and at most 6 GiB."""
+  layers within 15% of 12 layers', and at most 6 GiB, with its loss as it
+  is. Split over the batch (`split_batch`, the default), the loss over
+  the 50,257-word vocabulary no longer bounds the peak, which is lower at
+  both depths (JAX 0.10.2: 1.74 and 2.07 GiB, against 2.10 and 2.10) and
+  then grows with them."""
   monkeypatch.undo()  # the real streaming threshold
   peaks = {}
-  for layers in (12, 24):
+  for layers, split in ((12, False), (24, False), (12, True)):
     case = models.zoo_gpt_case(seq=1024, batch_size=8, layers=layers, width=512,
                         heads=8)
     abstract = jax.eval_shape(case.make_args)
     step = jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
-                        target="h100")
+                        target="h100", split_batch=split)
     plan = step.plan(*abstract)
     assert plan.state_leaves > 0
-    peaks[layers] = plan.xla_peak_bytes
-  assert peaks[24] <= 1.15 * peaks[12]
-  assert peaks[24] <= 6 * 2**30
+    assert bool(plan.split_over_batch) == split
+    peaks[layers, split] = plan.xla_peak_bytes
+  assert peaks[24, False] <= 1.15 * peaks[12, False]
+  assert peaks[24, False] <= 6 * 2**30
+  assert peaks[12, True] < peaks[12, False]
 
 
 @pytest.mark.slow
