@@ -301,6 +301,17 @@ def _settled_way(view: SplitView, ins, outs, ways, what: str):
   return settled[:len(ins)], settled[len(ins):]
 
 
+def _indexed_axes(view: SplitView, index_batching: str, dropped: str):
+  """A gather's or scatter's operand batching axes, the indices' batching
+  axes paired with them, and the operand's window axes (neither batching
+  nor `dropped`: collapsed or inserted)."""
+  numbers = view.layout["dimension_numbers"]
+  operand_batching = numbers.get("operand_batching_dims", ())
+  windows = [d for d in range(len(view.in_shapes[0]))
+             if d not in numbers[dropped] and d not in operand_batching]
+  return operand_batching, numbers.get(index_batching, ()), windows
+
+
 def gather(view: SplitView, ins, outs):
   """A batching axis is cut in the operand, the indices and the result
   (`take_along_axis`); an axis of the indices alone, in the indices and
@@ -308,20 +319,15 @@ def gather(view: SplitView, ins, outs):
   gather takes whole along an axis of the operand, in the operand and the
   result, the indices whole (its slice size is cut with it)."""
   numbers = view.layout["dimension_numbers"]
-  operand_rank = len(view.in_shapes[0])
   index_rank = len(view.in_shapes[1])
-  out_rank = len(view.out_shapes[0])
   offset = numbers["offset_dims"]
-  batch_out = [d for d in range(out_rank) if d not in offset]
-  operand_batching = numbers.get("operand_batching_dims", ())
-  index_batching = numbers.get("start_indices_batching_dims", ())
+  batch_out = [d for d in range(len(view.out_shapes[0])) if d not in offset]
+  operand_batching, index_batching, windows = _indexed_axes(
+      view, "start_indices_batching_dims", "collapsed_slice_dims")
   ways = [(o, i, batch_out[i])
           for o, i in zip(operand_batching, index_batching)]
   ways += [(WHOLE, i, batch_out[i]) for i in range(index_rank - 1)
            if i not in index_batching]
-  windows = [d for d in range(operand_rank)
-             if d not in numbers["collapsed_slice_dims"]
-             and d not in operand_batching]
   sizes = view.layout["slice_sizes"]
   ways += [(d, WHOLE, offset[n]) for n, d in enumerate(windows)
            if d not in numbers["start_index_map"]
@@ -336,17 +342,13 @@ def scatter_add(view: SplitView, ins, outs):
   indices alone would add each chunk's updates into the whole operand:
   not split.)"""
   numbers = view.layout["dimension_numbers"]
-  operand_rank = len(view.in_shapes[0])
-  update_rank = len(view.in_shapes[2])
   window = numbers["update_window_dims"]
-  scatter_dims = [d for d in range(update_rank) if d not in window]
-  operand_batching = numbers.get("operand_batching_dims", ())
-  index_batching = numbers.get("scatter_indices_batching_dims", ())
+  scatter_dims = [d for d in range(len(view.in_shapes[2]))
+                  if d not in window]
+  operand_batching, index_batching, windows = _indexed_axes(
+      view, "scatter_indices_batching_dims", "inserted_window_dims")
   ways = [(o, i, scatter_dims[i], o)
           for o, i in zip(operand_batching, index_batching)]
-  windows = [d for d in range(operand_rank)
-             if d not in numbers["inserted_window_dims"]
-             and d not in operand_batching]
   ways += [(d, WHOLE, window[n], d) for n, d in enumerate(windows)
            if d not in numbers["scatter_dims_to_operand_dims"]
            and view.in_shapes[2][window[n]] == view.in_shapes[0][d]]
