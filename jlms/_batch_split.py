@@ -15,8 +15,10 @@ Two pure steps:
   split along one axis (`jlms._split_rules`, keyed by primitive in
   `jlms._rules`), closes it so that nothing outside both reads from it
   and feeds it, and keeps it when its largest cut value is at least twice
-  what crosses its edge (cut inputs and outputs). The number of chunks is
-  the least divisor of the axis that brings that value to the edge's size.
+  what crosses its edge: its cut inputs and outputs, and for a summed
+  output (a weight's gradient, made whole split or not) the partial sums
+  the split adds. The number of chunks is the least divisor of the axis
+  that brings that value to the edge's size.
 - `split_over_batch` rewrites the program: the region's whole-valued
   equations first, then one `lax.scan` over the chunks (cut inputs sliced,
   cut outputs joined, partial sums added in float32 where the value is a
@@ -287,12 +289,14 @@ def _finished(program: Program, graph: _Graph, equations: list, axes: dict,
               and not (isinstance(a, int) and a in made_in_body)})
   edge += sum(_nbytes(program.avals[v]) for v in read_outside
               if isinstance(axes[v], int))
-  # A partial sum is a buffer the size of the whole per chunk, and its
-  # total another (in float32 for a narrower float).
-  edge += sum(_nbytes(program.avals[v]) * (
-      1 + np.dtype(_accumulated(program.avals[v].dtype)).itemsize
-      // np.dtype(program.avals[v].dtype).itemsize)
-      for v in read_outside if axes[v] == SUMMED)
+  # A summed output is made whole by the program split or not (a weight's
+  # gradient); what the split adds is one chunk's partial sum, the size of
+  # the whole, and for a narrower float the float32 total in place of the
+  # output: together the float32 size of the output.
+  edge += sum(_nbytes(program.avals[v])
+              * np.dtype(_accumulated(program.avals[v].dtype)).itemsize
+              // np.dtype(program.avals[v].dtype).itemsize
+              for v in read_outside if axes[v] == SUMMED)
   inside = [_nbytes(program.avals[v]) for v in made_in_body - read_outside
             if isinstance(axes[v], int)]
   largest = max(inside, default=0)

@@ -83,6 +83,39 @@ def test_the_loss_over_the_vocabulary_is_split_over_the_batch():
   assert _batch_split.batch_splits(program) == ()
 
 
+def test_a_head_whose_gradient_is_large_is_still_worth_splitting():
+  """An untied head as Llama's (its weight's gradient a quarter of the
+  logits): that gradient is made whole split or not, so the split counts
+  only the partial sums it adds, and the loss still runs in chunks."""
+  batch, seq, width, vocab = 4, 257, 256, 4096
+
+  def loss_fn(params, tokens):
+    logits = params["embed"][tokens] @ params["head"]
+    one_hot = jax.nn.one_hot(tokens[:, 1:], vocab)
+    return optax.softmax_cross_entropy(logits[:, :-1], one_hot).mean()
+
+  def step(params, tokens):
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+    return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), loss
+
+  keys = jax.random.split(jax.random.key(1), 3)
+  params = {"embed": jax.random.normal(keys[0], (vocab, width)),
+            "head": jax.random.normal(keys[1], (width, vocab)) / width**0.5}
+  tokens = jax.random.randint(keys[2], (batch, seq), 0, vocab)
+  program = _program_of(step, (params, tokens))
+  head_bytes = width * vocab * 4
+  with _thresholds.overridden(batch_split_min_bytes=1):
+    (split,) = _batch_split.batch_splits(program)
+    split_program, _ = _batch_split.split_runs(program)
+  assert split.chunks > 1
+  # The head's gradient counts once (its partial sum), not twice.
+  assert head_bytes <= split.edge_bytes < 2 * head_bytes
+  expected = _run(program, (params, tokens))
+  actual = _run(split_program, (params, tokens))
+  for want, got in zip(expected, actual):
+    assert max_relative_error(got, want) < F32_TOLERANCE
+
+
 @pytest.mark.parametrize("integer_labels", [False, True])
 def test_the_split_program_computes_what_the_step_computes(integer_labels):
   step, args = _lm_step(integer_labels=integer_labels)
