@@ -57,6 +57,7 @@ from jlms._config import OffloadConfig, SyncMode
 from jlms._names import profile_scope
 from jlms._planner import Offload, shared_kernels
 from jlms._program import Const, Program
+from jlms._update_order import update_tail
 
 
 def _tieable(atom) -> bool:
@@ -341,8 +342,10 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
 def _postponable_contractions(program: Program, barriers) -> frozenset:
   """The matmuls and convolutions that XLA's scheduler may run after the
   next swap-in or recomputation: those whose outputs are first needed at
-  or after it (a weight gradient, read by the optimizer's update at the
-  end, perhaps through a transpose).
+  or after it (a weight gradient, read by the optimizer's update,
+  perhaps through a transpose); and the equations of the update that
+  write the step's outputs (`jlms._update_order`), which XLA would
+  otherwise leave to the end of the step, each holding a gradient.
   A contraction read sooner (a forward or input-gradient one, whose
   activation the next equations read) runs before that barrier anyway;
   tying its output to the barrier would only route all its later reads
@@ -351,8 +354,10 @@ def _postponable_contractions(program: Program, barriers) -> frozenset:
   the forward pass is then made again in the backward)."""
   # needed[v]: the first equation that needs `v`, seeing through
   # re-layouts (a weight gradient's transpose to its parameter's layout
-  # waits with it).
+  # waits with it) and the update (which only the step's outputs need).
   n = len(program)
+  tail = update_tail(program)
+  outputs = {a for a in program.outvars if isinstance(a, int)}
   readers: dict[int, list[int]] = {}
   for index, equation in enumerate(program.equations):
     for atom in dict.fromkeys(a for a in equation.inputs
@@ -364,14 +369,17 @@ def _postponable_contractions(program: Program, barriers) -> frozenset:
       first = n
       for reader in readers.get(out, ()):
         equation = program.equations[reader]
-        if _rules.rule(equation.primitive).relayout_only:
+        if reader in tail or _rules.rule(equation.primitive).relayout_only:
           first = min([first] + [needed.get(o, n) for o in equation.outputs])
         else:
           first = min(first, reader)
       needed[out] = first
   postponable = set()
   for index, equation in enumerate(program.equations):
-    if not _rules.flops(equation.eqn):
+    # (Not the loss: a scalar holds nothing worth a barrier.)
+    writes_output = index in tail and any(
+        o in outputs and program.avals[o].shape for o in equation.outputs)
+    if not _rules.flops(equation.eqn) and not writes_output:
       continue
     following = bisect.bisect_right(barriers, index)
     if following == len(barriers):

@@ -14,8 +14,9 @@ fastest that fits. The ways, in order:
 
 Every way starts from the step's program with the runs of equations that
 alone bound its memory run over chunks of the batch (`jlms._batch_split`,
-where `split_batch` is on); the last three from that program with its
-inputs sunk. A way that
+where `split_batch` is on) and each parameter's update moved to where its
+gradient is made (`jlms._update_order`); the last three from that program
+with its inputs sunk. A way that
 cannot be built for a step (a pass that cannot rewrite its loops) is left
 out, with a debug log line that says why; the step as it is always stays.
 
@@ -42,6 +43,7 @@ from jlms._loops import find_scan_residuals, offload_scan_residuals
 from jlms._placement import place_fused_at_readers
 from jlms._simulator import analyse_fusion
 from jlms._state import keep_state_on_host
+from jlms._update_order import updates_at_gradients
 
 log = logging.getLogger("jlms")
 
@@ -165,17 +167,19 @@ def loop_ways(plain: AnalysedProgram, config: OffloadConfig,
 
 def _start(plain: AnalysedProgram, config: OffloadConfig) -> _Start:
   """The step's program, with its runs split over the batch where
-  `config.split_batch` (a split that fails leaves the step as it is)."""
-  as_it_is = _Start(plain.program, plain.liveness, ())
-  if not config.split_batch:
-    return as_it_is
-  try:
-    program, described = split_runs(plain.program)
-  except Exception as error:  # noqa: BLE001 -- the split only
-    log.debug("jlms: no batch split (%s: %s)", type(error).__name__, error)
-    return as_it_is
-  if not described:
-    return as_it_is
+  `config.split_batch` (a split that fails leaves the step as it is), and
+  each parameter's update where its gradient is made
+  (`jlms._update_order`)."""
+  program, described = plain.program, ()
+  if config.split_batch:
+    try:
+      program, described = split_runs(plain.program)
+    except Exception as error:  # noqa: BLE001 -- the split only
+      log.debug("jlms: no batch split (%s: %s)", type(error).__name__,
+                error)
+  program = updates_at_gradients(program)
+  if program is plain.program:
+    return _Start(plain.program, plain.liveness, ())
   return _Start(program, analyse(program), tuple(described))
 
 

@@ -128,7 +128,9 @@ def _op_names(lowered_text: str) -> list[tuple[str, str]]:
 def test_copies_and_recomputations_carry_jlms_scopes_in_the_lowered_hlo():
   # Copies to host survive lowering only for a target with pinned host
   # memory: lowered for the deviceless H100, not compiled.
-  case = models.mlp_case(depth=8, width=1024, batch=2048)
+  # A GPT whose least memory both copies and remakes values.
+  case = models.gpt_case(layers=4, width=256, heads=4, seq=256, batch=8,
+                         vocab=512)
   args = _xla_memory._place_on_target(
       case.abstract_args(), _xla_memory.target_devices("h100"))
   step = jlms.offload(case.step, budget="min")

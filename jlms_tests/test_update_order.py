@@ -1,0 +1,111 @@
+"""Each parameter's update moved to where its gradient is made
+(`jlms._update_order`): the same values, every update after what it
+overwrites, one group per parameter, and the gradients no longer all held
+at once."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jlms import _compat, _update_order
+from jlms._config import OffloadConfig
+from jlms._liveness import analyse
+from jlms._program import flatten
+from jlms._rewrite import rewrite
+from jlms._simulator import simulate
+from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
+
+LAYERS, WIDTH, BATCH = 4, 256, 8
+
+
+def _adamw_step():
+  """A deep MLP trained by optax's AdamW, its state donated: weights far
+  larger than the batch's activations, so its peak is the gradients."""
+  optimizer = optax.adamw(1e-3, weight_decay=0.01)
+
+  def loss_fn(params, x):
+    for w in params:
+      x = jnp.tanh(x @ w)
+    return jnp.mean(x ** 2)
+
+  def step(params, opt_state, x):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  keys = jax.random.split(jax.random.key(0), LAYERS + 1)
+  params = [jax.random.normal(k, (WIDTH, WIDTH)) / WIDTH**0.5
+            for k in keys[:LAYERS]]
+  x = jax.random.normal(keys[-1], (BATCH, WIDTH))
+  return step, (params, optimizer.init(params), x)
+
+
+def _programs():
+  step, args = _adamw_step()
+  program = flatten(jax.make_jaxpr(step)(*args))
+  # The parameters and the optimizer's state are donated, as `jlms.offload`
+  # donates them for a step that donates its state.
+  program = dataclasses.replace(program,
+                                donated=tuple(range(len(program.invars) - 1)))
+  return program, _update_order.updates_at_gradients(program), args
+
+
+def _run(program, args):
+  closed = rewrite(program, (), OffloadConfig())
+  jaxpr, consts = _compat.jaxpr_parts(closed)
+  return jax.jit(lambda *a: _compat.eval_jaxpr(jaxpr, consts, *a))(
+      *jax.tree.leaves(args))
+
+
+def test_the_moved_update_computes_what_the_step_computes():
+  program, moved, args = _programs()
+  assert moved is not program
+  assert sorted(map(id, moved.equations)) == sorted(map(id, program.equations))
+  for want, got in zip(_run(program, args), _run(moved, args)):
+    assert max_relative_error(np.asarray(got), np.asarray(want)) \
+        <= F32_TOLERANCE
+
+
+def test_every_equation_follows_its_inputs_and_updates_follow_their_reads():
+  _, moved, _ = _programs()
+  made_at = {}
+  tail = _update_order.update_tail(moved)
+  for index, equation in enumerate(moved.equations):
+    for atom in equation.inputs:
+      if isinstance(atom, int) and atom not in moved.invars:
+        assert made_at[atom] < index
+    made_at.update(dict.fromkeys(equation.outputs, index))
+  # A parameter or a moment is overwritten only after its last other read.
+  for index in tail:
+    for atom in moved.equations[index].inputs:
+      if isinstance(atom, int) and atom in moved.invars:
+        later = [i for i, e in enumerate(moved.equations)
+                 if i > index and i not in tail and atom in e.inputs]
+        assert not later, (index, later)
+
+
+def test_the_gradients_are_no_longer_held_all_at_once():
+  program, moved, _ = _programs()
+  before = simulate(program, analyse(program)).peak_bytes
+  after = simulate(moved, analyse(moved)).peak_bytes
+  # The last layers' updates run while the first layers' gradients are
+  # still to be made: at least one weight's gradient less at the peak.
+  assert after <= before - WIDTH * WIDTH * 4, (before, after)
+
+
+def test_the_update_of_each_parameter_is_a_group_of_its_own():
+  program, moved, _ = _programs()
+  # Adam's bias corrections are scalars that every update reads; they do
+  # not join the parameters' updates into one.
+  outputs = [a for a in program.outvars if isinstance(a, int)]
+  new_params = outputs[:LAYERS]
+  position = {id(e): i for i, e in enumerate(moved.equations)}
+  made_at = {v: position[id(e)] for e in program.equations for v in e.outputs}
+  positions = sorted(made_at[v] for v in new_params)
+  # The new weights are made at LAYERS different places, the last layer's
+  # (whose gradient the backward pass makes first) earliest.
+  assert len(set(positions)) == LAYERS
+  assert made_at[new_params[-1]] == positions[0]
