@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jlms import _compat, _thresholds
+from jlms._groups import connected_groups
 from jlms._liveness import Liveness, aval_nbytes
 from jlms._names import profile_scope
 from jlms._program import Const, Equation, Program
@@ -113,25 +114,14 @@ def update_runs(program: Program, liveness: Liveness,
              for v in made for r in liveness.uses[v]):
         member[maker] = shape
         work.append(maker)
-  # Connected by made values (union-find).
-  parent = {i: i for i in member}
-
-  def root(i):
-    while parent[i] != i:
-      parent[i] = parent[parent[i]]
-      i = parent[i]
-    return i
-
-  for index in member:
-    for out in program.equations[index].outputs:
-      for r in liveness.uses[out]:
-        if r in member and member[r] == member[index]:
-          parent[root(r)] = root(index)
-  runs: dict[int, list[int]] = {}
-  for index in sorted(member):
-    runs.setdefault(root(index), []).append(index)
+  # Connected by made values.
+  runs = connected_groups(
+      member, [(index, r) for index in member
+               for out in program.equations[index].outputs
+               for r in liveness.uses[out]
+               if r in member and member[r] == member[index]])
   result = []
-  for run in runs.values():
+  for run in runs:
     while run:
       inside = set(run)
       last = run[-1]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from jlms import _rules
+from jlms._groups import connected_groups
 from jlms._liveness import aval_nbytes
 from jlms._program import Program
 
@@ -114,21 +115,11 @@ def _groups(program: Program, tail: frozenset[int], producer: dict
             ) -> list[list[int]]:
   """The tail's equations, joined where one reads the other's result
   larger than `_JOINS_ABOVE_BYTES`; each group in program order."""
-  parent = {i: i for i in tail}
-
-  def root(i):
-    while parent[i] != i:
-      parent[i] = parent[parent[i]]
-      i = parent[i]
-    return i
-
+  pairs = []
   for index in tail:
     for atom in program.equations[index].inputs:
       made_by = producer.get(atom) if isinstance(atom, int) else None
       if (made_by in tail
           and aval_nbytes(program.avals[atom]) > _JOINS_ABOVE_BYTES):
-        parent[root(index)] = root(made_by)
-  groups: dict[int, list[int]] = {}
-  for index in sorted(tail):
-    groups.setdefault(root(index), []).append(index)
-  return list(groups.values())
+        pairs.append((index, made_by))
+  return connected_groups(tail, pairs)

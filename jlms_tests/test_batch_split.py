@@ -22,6 +22,14 @@ from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
 BATCH, SEQ, WIDTH, VOCAB = 8, 64, 8, 4096
 
 
+def _sgd_step(loss_fn):
+  """A step of plain gradient descent on `loss_fn(params, tokens)`."""
+  def step(params, tokens):
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+    return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), loss
+  return step
+
+
 def _lm_step(batch_norm: bool = False, integer_labels: bool = False):
   """A tied-embedding language model's step: a gather, one tanh layer, a
   soft-capped projection on the vocabulary and a one-hot cross-entropy of
@@ -42,10 +50,7 @@ def _lm_step(batch_norm: bool = False, integer_labels: bool = False):
     one_hot = jax.nn.one_hot(tokens[:, 1:], VOCAB)
     return optax.softmax_cross_entropy(logits[:, :-1], one_hot).mean()
 
-  def step(params, tokens):
-    loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
-    return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), loss
-
+  step = _sgd_step(loss_fn)
   keys = jax.random.split(jax.random.key(0), 3)
   params = {"embed": jax.random.normal(keys[0], (VOCAB, WIDTH)),
             "w": jax.random.normal(keys[1], (WIDTH, WIDTH)) / WIDTH**0.5}
@@ -94,10 +99,7 @@ def test_a_head_whose_gradient_is_large_is_still_worth_splitting():
     one_hot = jax.nn.one_hot(tokens[:, 1:], vocab)
     return optax.softmax_cross_entropy(logits[:, :-1], one_hot).mean()
 
-  def step(params, tokens):
-    loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
-    return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), loss
-
+  step = _sgd_step(loss_fn)
   keys = jax.random.split(jax.random.key(1), 3)
   params = {"embed": jax.random.normal(keys[0], (vocab, width)),
             "head": jax.random.normal(keys[1], (width, vocab)) / width**0.5}
