@@ -87,23 +87,30 @@ def _expansion_chain(program: Program, liveness: Liveness, value: int):
   while pending:
     current = pending.pop()
     index = liveness.producer[current]
-    if index < 0 or expansion * liveness.nbytes[current] < liveness.nbytes[
-        value]:
-      leaves.add(current)  # a step input, or already small
+    if index < 0:
+      leaves.add(current)  # a step input
       continue
     if index in chain:
       continue
-    eqn = program.equations[index].eqn
-    if not (_rules.is_fusible_equation(eqn) and _rules.is_recomputable(eqn)):
+    small = expansion * liveness.nbytes[current] < liveness.nbytes[value]
+    # A small value is made in the loop too where its own making is
+    # fusible: a causal mask from its iotas rather than from the
+    # [heads, seq, seq] mask autodiff hoisted, which XLA would broadcast
+    # over the batch into a buffer of its own every iteration (the
+    # Equinox decoder of the benchmarks: 42.6 ms of its 469.3).
+    equation = program.equations[index]
+    if not (_rules.is_fusible_equation(equation.eqn)
+            and _rules.is_recomputable(equation.eqn)
+            and len(chain) < max_chain
+            # a captured array: the scan would close over it
+            and all(not isinstance(a, Const) or a.literal is not None
+                    for a in equation.inputs)):
+      if small:
+        leaves.add(current)
+        continue
       return None
     chain.add(index)
-    if len(chain) > max_chain:
-      return None
-    for atom in program.equations[index].inputs:
-      if not isinstance(atom, Const):
-        pending.append(atom)
-      elif atom.literal is None:
-        return None  # a captured array: the scan would close over it
+    pending.extend(a for a in equation.inputs if not isinstance(a, Const))
   if expansion * sum(liveness.nbytes[v] for v in leaves) > liveness.nbytes[
       value]:
     return None

@@ -87,8 +87,7 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
   before it: XLA's scheduler otherwise leaves weight-gradient contractions
   to the end of the step, and each holds its operands (a cotangent, an
   activation) alive until then, which a plan made in jaxpr order does not
-  expect. So must each new parameter and moment the optimizer's update
-  writes (`jlms._update_order` places it) before the equation after it.
+  expect.
 
   With `transfers=False` the same barriers are emitted but the values stay
   on the device: the schedule's constraints without the copies, which is
@@ -147,9 +146,6 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
   postponable = (_postponable_contractions(
       program, sorted(set(swap_in_before) | set(recompute_before)))
                  if pin_contractions else frozenset())
-  updates = _updates(program) if pin_contractions else frozenset()
-  tail = update_tail(program) if pin_contractions else frozenset()
-  pending_updates: list[int] = []  # results of the update not yet tied
 
   def has_buffer(value: int) -> bool:
     return fusion is None or bool(fusion.materialized[value])
@@ -291,18 +287,6 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
 
     if equation is None:
       break
-    if (pending_updates and index not in tail
-        and not _rules.rule(equation.primitive).relayout_only
-        and any(isinstance(a, int) and _tieable(env[a]) and has_buffer(a)
-                for a in equation.inputs)):
-      # The update made so far must have run before this equation: XLA's
-      # scheduler otherwise leaves it to the end of the step, each holding
-      # its gradient, which the plan (made in `jlms._update_order`'s
-      # order) does not expect.
-      tied = tie_to_inputs([env[v] for v in pending_updates],
-                           equation.inputs, anchor, "jlms/update")
-      env.update(zip(pending_updates, tied))
-      pending_updates = []
     if index in serialized:
       previous = [a for a in live(serial_outputs) if _tieable(env[a])]
       if previous:
@@ -322,8 +306,6 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
     # The latest buffers made: a fused-away result would get a buffer
     # only because a barrier reads it.
     made = [o for o in equation.outputs if has_buffer(o)]
-    if index in updates:
-      pending_updates.extend(o for o in made if _tieable(env[o]))
     if made:
       previous_outputs = made
       if index in serialized:
@@ -357,22 +339,13 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
                               debug_info)
 
 
-def _updates(program: Program) -> frozenset:
-  """The equations of the optimizer's update (`jlms._update_order`) that
-  write the step's outputs: the new parameters and moments (not the
-  loss, a scalar that holds nothing)."""
-  outputs = {a for a in program.outvars if isinstance(a, int)}
-  return frozenset(
-      index for index in update_tail(program)
-      if any(o in outputs and program.avals[o].shape
-             for o in program.equations[index].outputs))
-
-
 def _postponable_contractions(program: Program, barriers) -> frozenset:
   """The matmuls and convolutions that XLA's scheduler may run after the
   next swap-in or recomputation: those whose outputs are first needed at
   or after it (a weight gradient, read by the optimizer's update,
-  perhaps through a transpose).
+  perhaps through a transpose); and the equations of the update that
+  write the step's outputs (`jlms._update_order`), which XLA would
+  otherwise leave to the end of the step, each holding a gradient.
   A contraction read sooner (a forward or input-gradient one, whose
   activation the next equations read) runs before that barrier anyway;
   tying its output to the barrier would only route all its later reads
@@ -384,6 +357,7 @@ def _postponable_contractions(program: Program, barriers) -> frozenset:
   # waits with it) and the update (which only the step's outputs need).
   n = len(program)
   tail = update_tail(program)
+  outputs = {a for a in program.outvars if isinstance(a, int)}
   readers: dict[int, list[int]] = {}
   for index, equation in enumerate(program.equations):
     for atom in dict.fromkeys(a for a in equation.inputs
@@ -402,7 +376,10 @@ def _postponable_contractions(program: Program, barriers) -> frozenset:
       needed[out] = first
   postponable = set()
   for index, equation in enumerate(program.equations):
-    if not _rules.flops(equation.eqn):
+    # (Not the loss: a scalar holds nothing worth a barrier.)
+    writes_output = index in tail and any(
+        o in outputs and program.avals[o].shape for o in equation.outputs)
+    if not _rules.flops(equation.eqn) and not writes_output:
       continue
     following = bisect.bisect_right(barriers, index)
     if following == len(barriers):
