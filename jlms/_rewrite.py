@@ -71,7 +71,7 @@ def _tieable(atom) -> bool:
 def rewrite(program: Program, offloads: tuple[Offload, ...],
             config: OffloadConfig, debug_info=None, transfers: bool = True,
             fusion=None, serialized: frozenset = frozenset(),
-            pin_contractions: bool = False):
+            pin_contractions: bool = False, pin_updates: bool = False):
   """The closed jaxpr of `program` with `offloads` applied.
 
   `fusion` (from `jlms._simulator.analyse_fusion`, with the offloaded values
@@ -87,7 +87,9 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
   before it: XLA's scheduler otherwise leaves weight-gradient contractions
   to the end of the step, and each holds its operands (a cotangent, an
   activation) alive until then, which a plan made in jaxpr order does not
-  expect.
+  expect. With `pin_updates` too, so must the equations of the
+  optimizer's update that write the new parameters and moments
+  (`jlms._update_order` places them where the gradients are made).
 
   With `transfers=False` the same barriers are emitted but the values stay
   on the device: the schedule's constraints without the copies, which is
@@ -144,8 +146,8 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
 
   executes_at = None if fusion is None else fusion.executes_at
   postponable = (_postponable_contractions(
-      program, sorted(set(swap_in_before) | set(recompute_before)))
-                 if pin_contractions else frozenset())
+      program, sorted(set(swap_in_before) | set(recompute_before)),
+      pin_updates) if pin_contractions else frozenset())
 
   def has_buffer(value: int) -> bool:
     return fusion is None or bool(fusion.materialized[value])
@@ -339,13 +341,14 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
                               debug_info)
 
 
-def _postponable_contractions(program: Program, barriers) -> frozenset:
+def _postponable_contractions(program: Program, barriers,
+                              updates: bool = False) -> frozenset:
   """The matmuls and convolutions that XLA's scheduler may run after the
   next swap-in or recomputation: those whose outputs are first needed at
   or after it (a weight gradient, read by the optimizer's update,
-  perhaps through a transpose); and the equations of the update that
-  write the step's outputs (`jlms._update_order`), which XLA would
-  otherwise leave to the end of the step, each holding a gradient.
+  perhaps through a transpose); with `updates`, also the equations of the
+  update that write the step's outputs (`jlms._update_order`), which XLA
+  would otherwise leave to the end of the step, each holding a gradient.
   A contraction read sooner (a forward or input-gradient one, whose
   activation the next equations read) runs before that barrier anyway;
   tying its output to the barrier would only route all its later reads
@@ -377,7 +380,7 @@ def _postponable_contractions(program: Program, barriers) -> frozenset:
   postponable = set()
   for index, equation in enumerate(program.equations):
     # (Not the loss: a scalar holds nothing worth a barrier.)
-    writes_output = index in tail and any(
+    writes_output = updates and index in tail and any(
         o in outputs and program.avals[o].shape for o in equation.outputs)
     if not _rules.flops(equation.eqn) and not writes_output:
       continue

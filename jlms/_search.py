@@ -43,6 +43,7 @@ from jlms._sharding import abstract_arguments, unseen_split
 from jlms._state import HostState, host_state, state_pairs
 from jlms._tradeoff import Tradeoff, TradeoffPoint
 from jlms._units import format_bytes
+from jlms._update_order import worth_holding_in_place
 from jlms._variants import WayCache, placed_ways
 from jlms._xla_memory import (LOCAL_TARGET, DevicelessUnavailableError,
                               check_local_gpu, target_of_arguments)
@@ -367,6 +368,8 @@ def _rewritten(request: SearchRequest, config, fitted) -> _Candidate:
   rewritten, without_copies = rewrite_with_and_without_copies(
       placed.program, result.offloads, config, request.debug_info,
       fusion=placed.fusion, pin_contractions=True,
+      pin_updates=worth_holding_in_place(placed.program,
+                                         result.timeline.peak_bytes),
       serialized=serialized(placed.program, placed.liveness, config,
                             placed.fusion))
   return _Candidate(placed, residuals, result, rewritten, without_copies)

@@ -109,3 +109,11 @@ def test_the_update_of_each_parameter_is_a_group_of_its_own():
   # (whose gradient the backward pass makes first) earliest.
   assert len(set(positions)) == LAYERS
   assert made_at[new_params[-1]] == positions[0]
+
+
+def test_the_update_is_held_in_place_only_where_it_is_a_share_of_the_peak():
+  program, moved, _ = _programs()
+  # The weights and Adam's two moments: 3 x LAYERS x WIDTH^2 float32.
+  written = 3 * LAYERS * WIDTH * WIDTH * 4
+  assert _update_order.worth_holding_in_place(moved, 32 * written)
+  assert not _update_order.worth_holding_in_place(moved, 32 * written + 4096)
