@@ -26,6 +26,7 @@ before a loop (an equation with a body) that it followed.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 from jlms import _compat, _rules
@@ -99,8 +100,10 @@ def updates_at_gradients(program: Program) -> Program:
   # backward loop: 1.872 GiB by XLA against 1.840 left after it).
   loops = [i for i, e in enumerate(equations)
            if i not in tail and _compat.sub_jaxprs(e.eqn)]
-  after = [max([-1] + [i for i in loops if i < members[0]])
-           for members in groups]
+  # (The latest loop before each group's first equation, by bisection:
+  # a step of many loops and many parameters stays linear.)
+  after = [loops[k - 1] if (k := bisect.bisect_left(loops, members[0]))
+           else -1 for members in groups]
   # Each group waits for what its members read; a group may read another
   # group's results (a scalar shared by all), so settle in rounds.
   for _ in range(len(groups) + 1):
