@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from jlms import _compat, _rules
+from jlms import _rules
 from jlms._groups import connected_groups
 from jlms._liveness import aval_nbytes
 from jlms._program import Program
@@ -98,8 +98,11 @@ def updates_at_gradients(program: Program) -> Program:
   # its results and temporaries through it (the scanned GPT of
   # `benchmarks.frontier_cases`, whose head's update would move before the
   # backward loop: 1.872 GiB by XLA against 1.840 left after it).
+  # (A loop is a scan or a while, not any equation with a body: the
+  # embedding gradient's scatter-add has one, its combiner, and taken for
+  # a loop it held every update of a language model to the step's end.)
   loops = [i for i, e in enumerate(equations)
-           if i not in tail and _compat.sub_jaxprs(e.eqn)]
+           if i not in tail and _rules.rule(e.primitive).loop]
   # (The latest loop before each group's first equation, by bisection:
   # a step of many loops and many parameters stays linear.)
   after = [loops[k - 1] if (k := bisect.bisect_left(loops, members[0]))

@@ -117,3 +117,36 @@ def test_the_update_is_held_in_place_only_where_it_is_a_share_of_the_peak():
   written = 3 * LAYERS * WIDTH * WIDTH * 4
   assert _update_order.worth_holding_in_place(moved, 32 * written)
   assert not _update_order.worth_holding_in_place(moved, 32 * written + 4096)
+
+
+def test_updates_move_before_an_embeddings_scatter_add():
+  """An embedding's gradient is a scatter-add, an equation with a body of
+  its own (its combiner) but no loop: the updates of the layers after it
+  still move to their gradients."""
+  optimizer = optax.adam(1e-3)
+  vocab = 64
+
+  def loss_fn(params, tokens):
+    table, *layers = params
+    x = table[tokens]
+    for w in layers:
+      x = jnp.tanh(x @ w)
+    return jnp.mean(x ** 2)
+
+  def step(params, opt_state, tokens):
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  keys = jax.random.split(jax.random.key(0), LAYERS + 1)
+  params = [jax.random.normal(keys[0], (vocab, WIDTH))] + [
+      jax.random.normal(k, (WIDTH, WIDTH)) / WIDTH**0.5 for k in keys[1:]]
+  tokens = jnp.arange(BATCH * 4).reshape(BATCH, 4) % vocab
+  program = flatten(jax.make_jaxpr(step)(params, optimizer.init(params),
+                                         tokens))
+  moved = _update_order.updates_at_gradients(program)
+  scatter = [i for i, e in enumerate(moved.equations)
+             if "scatter" in e.primitive.name]
+  assert scatter
+  tail = _update_order.update_tail(moved)
+  assert sum(i < scatter[-1] for i in tail) >= LAYERS - 1
