@@ -89,6 +89,12 @@ def readable_name(stack: str, primitive: str) -> str:
   return name + BACKWARD if backward else name
 
 
+def made_in_backward(stack: str) -> bool:
+  """Whether an equation with name stack `stack` (its text) was made by
+  autodiff's transpose: in a gradient's backward pass."""
+  return any("transpose" in _unwrap(part)[1] for part in _split_stack(stack))
+
+
 def common_scope(stacks: list[str]) -> str:
   """The leading '/'-separated scopes that all of `stacks` (name stacks'
   texts) share; "" for none."""

@@ -10,7 +10,12 @@ fastest that fits. The ways, in order:
   for backward ones remade inside the backward loop, the cheapest first
   (`jlms._loop_remat`; all of them is per-layer remat);
 - `ResidualsStreamed`: those residuals streamed through host one slice per
-  iteration (`jlms._loops`).
+  iteration (`jlms._loops`);
+- `SegmentsRemaking(every)`: a forward pass that is no loop cut where it
+  carries least (a transformer's residual stream), and each segment's
+  activations remade where its backward pass starts
+  (`jlms._segment_remat`; every second cut of a transformer is per-block
+  remat).
 
 Every way starts from the step's program with the runs of equations that
 alone bound its memory run over chunks of the batch (`jlms._batch_split`,
@@ -42,6 +47,8 @@ from jlms._loop_remat import (cheapest, loop_rematerializations,
 from jlms._loop_sink import loop_sinks, sink_into_loops
 from jlms._loops import find_scan_residuals, offload_scan_residuals
 from jlms._placement import place_fused_at_readers
+from jlms._segment_remat import (forward_cuts, rematerialize_segments,
+                                 segment_remats)
 from jlms._simulator import analyse_fusion
 from jlms._state import keep_state_on_host
 from jlms._update_order import updates_at_gradients
@@ -143,9 +150,38 @@ class ResidualsStreamed:
                 f"{len(residuals)} scan residuals streamed through host")
 
 
+@dataclasses.dataclass(frozen=True)
+class SegmentsRemaking:
+  """The activations of each segment between every `every`-th cut of the
+  forward pass remade where its backward pass starts: per sub-block and
+  per block of a transformer whose layers are a Python loop."""
+  every: tuple = (1, 2)
+
+  def ways(self, start, sunk: _Sunk, config, target) -> Iterator[Way]:
+    cuts = forward_cuts(start.program, start.liveness)
+    seen = set()
+    for every in self.every:
+      for phase in range(every):
+        remats = segment_remats(start.program, start.liveness, cuts, every,
+                                phase)
+        # A step with a few segments (a scanned model's embedding and
+        # head) gains little over what the fit remakes value by value.
+        if len(remats) < _MIN_SEGMENTS or remats in seen:
+          continue
+        seen.add(remats)
+        program = rematerialize_segments(start.program, remats)
+        yield start.way(
+            program, analyse(program), (),
+            f"{len(remats)} segments remade in the backward pass"
+            + (f" (from cut {phase + 1})" if phase else ""))
+
+
+#: Fewest segments worth a way of their own.
+_MIN_SEGMENTS = 4
+
 #: The strategies, in the order the search tries them.
 STRATEGIES = (LoopsAsTheyAre(), InputsMadeInLoops(), LoopsRemaking(),
-              ResidualsStreamed())
+              ResidualsStreamed(), SegmentsRemaking())
 
 
 def loop_ways(plain: AnalysedProgram, config: OffloadConfig,

@@ -1,0 +1,289 @@
+"""Per-segment remat of a step whose layers are not a loop.
+
+A model written as a Python loop over its layers (Hugging Face's Flax
+GPT-2 and Llama, `gemma`) traces to one long forward pass, then its
+backward pass. Per-block remat (`nn.remat` around each layer) keeps each
+layer's input and remakes the layer's activations when its backward pass
+starts. `jlms._fit` prices each value alone, so it cannot see that one
+re-run of a layer remakes all of its activations at once; on GPT-2 medium
+at remat's peak it copied 12 GiB of attention weights to host instead
+(610 ms against remat's 138 ms).
+
+This pass finds the cuts of the forward pass: the places where the only
+large values that later forward equations read are a few small ones (a
+transformer's residual stream between two sub-blocks). Between two cuts
+lies a segment. Each segment's activations that the backward pass reads
+are remade there from the values the segment reads from outside it. This
+is what `jax.checkpoint` with `nothing_saveable` does for each segment,
+found from the program's data flow, with no names or layer classes:
+
+- `forward_cuts` (analysis): the cut positions, each the equation after
+  which the bytes the forward pass carries across are within
+  `_CUT_SLACK` of the least it carries anywhere (ignoring the start and
+  the end of the pass, where it carries next to nothing);
+- `segment_remats` (analysis): per segment, the equations that remake
+  what its backward pass reads, and where;
+- `rematerialize_segments` (rewrite): the new `Program`. Each segment's
+  remaking runs before the first backward equation that reads one of its
+  activations. Its inputs go through one optimization barrier with that
+  equation's backward operands, so XLA neither merges it with the forward
+  pass (CSE) nor moves it before its backward pass starts.
+
+Pure. Guarantees: the new program computes the same values (each
+remade equation is the original, reading the same values or their remade
+copies); forward equations and every value they make keep their ids; the
+backward pass reads each remade value's copy, never the original.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import numpy as np
+
+from jlms import _compat, _rules
+from jlms._liveness import Liveness
+from jlms._names import made_in_backward
+from jlms._program import Equation, Program
+
+#: A place is a cut where the forward pass carries at most this many
+#: times the least it carries anywhere in its middle.
+_CUT_SLACK = 1.5
+#: The middle of the forward pass: where it carries at least this share
+#: of what it carries at the median place (its first and last equations
+#: carry almost nothing: a key, the labels; its loss may carry 40 times
+#: a layer's residual, GPT-2's logits).
+_MIDDLE_SHARE = 1 / 16
+#: A segment is worth remaking when it reads at least this many of its
+#: own activations in the backward pass.
+_MIN_REMADE = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentRemat:
+  """One segment's remaking: `chain` (forward equation indices, in order)
+  re-run before equation `before`; the backward pass then reads the
+  copies of `remade` (value ids) and of every other value `chain` makes."""
+  chain: tuple[int, ...]
+  remade: tuple[int, ...]
+  before: int
+
+
+def forward_end(program: Program) -> int | None:
+  """The index of the first equation of the backward pass (made under
+  autodiff's `transpose`); None for a step without one."""
+  for index, equation in enumerate(program.equations):
+    if made_in_backward(str(equation.name_stack)):
+      return index
+  return None
+
+
+def forward_cuts(program: Program, liveness: Liveness) -> tuple[int, ...]:
+  """The cut positions of the forward pass (see the module docstring): an
+  equation index per cut, the first of a run of places that each carry
+  little across."""
+  end = forward_end(program)
+  if end is None or end < 2:
+    return ()
+  carried = _carried_bytes(program, liveness, end)
+  middle = carried[carried >= _MIDDLE_SHARE * np.median(carried)]
+  if not middle.size:
+    return ()
+  least = middle.min()
+  # A run of places that each carry little is one cut (a residual add,
+  # then the elementwise steps that read it alone: dropout, a norm's
+  # statistics), and so are runs that carry the same largest value (a
+  # norm's centred input, carried beside its input, parts two runs).
+  at_most = carried <= _CUT_SLACK * least
+  starts = np.flatnonzero(at_most & ~np.concatenate([[False], at_most[:-1]]))
+  largest = _largest_carried(liveness, [int(i) for i in starts], end)
+  cuts, previous = [], object()
+  for start, value in zip(starts, largest):
+    if value != previous:
+      cuts.append(int(start))
+    previous = value
+  return tuple(cuts)
+
+
+def _largest_carried(liveness, places, end) -> list:
+  """For each of `places` (forward equation indices, increasing), the
+  largest value made at or before it that a forward equation after it
+  reads."""
+  best = [None] * len(places)
+  best_size = [0] * len(places)
+  for value, size in enumerate(liveness.nbytes):
+    made_by = liveness.producer[value]
+    if size == 0 or made_by < 0 or made_by >= end:
+      continue
+    last = _last_forward_read(liveness, value, end)
+    k = bisect.bisect_left(places, made_by)
+    while k < len(places) and places[k] < last:
+      if size > best_size[k]:
+        best[k], best_size[k] = value, size
+      k += 1
+  return best
+
+
+def _carried_bytes(program, liveness, end) -> np.ndarray:
+  """carried[i]: bytes of the values made at or before forward equation
+  `i` that a forward equation after `i` reads."""
+  delta = np.zeros(end + 1)
+  for value, size in enumerate(liveness.nbytes):
+    made_by = liveness.producer[value]
+    if size == 0 or made_by < 0 or made_by >= end:
+      continue
+    last = _last_forward_read(liveness, value, end)
+    if last > made_by:
+      delta[made_by] += size
+      delta[last] -= size
+  return np.cumsum(delta)[:end]
+
+
+def _last_forward_read(liveness: Liveness, value: int, end: int) -> int:
+  last = -1
+  for read in liveness.uses[value]:
+    if read >= end:
+      break
+    last = read
+  return last
+
+
+def segment_remats(program: Program, liveness: Liveness,
+                   cuts: tuple[int, ...], every: int = 1, phase: int = 0
+                   ) -> tuple[SegmentRemat, ...]:
+  """The remaking of each segment between every `every`-th cut from the
+  `phase`-th on (1: each sub-block of a transformer; 2: each block, or
+  each MLP with the next attention, as `phase` says: a segment remakes
+  the values its own later equations read, so the phase decides which
+  sub-block's last matmul is remade). The segment before the first cut
+  and after the last stay as they are: the backward pass starts right
+  after the last, and the first holds the embedding's lookup."""
+  end = forward_end(program)
+  if end is None:
+    return ()
+  chosen = cuts[phase::every]
+  remats = []
+  for start, stop in zip(chosen, chosen[1:]):
+    remat = _segment(program, liveness, start, stop, end)
+    if remat is not None:
+      remats.append(remat)
+  return tuple(remats)
+
+
+def _segment(program, liveness, start, stop, end) -> SegmentRemat | None:
+  """The remaking of the segment of forward equations (start, stop]."""
+  inside = range(start + 1, stop + 1)
+  remade, first_read = [], None
+  for index in inside:
+    equation = program.equations[index]
+    if not _rules.is_recomputable(equation.eqn):
+      continue
+    for value in equation.outputs:
+      if _last_forward_read(liveness, value, end) > stop:
+        continue  # carried across the cut: kept
+      backward = [r for r in liveness.uses[value] if end <= r < liveness.end]
+      if backward:
+        remade.append(value)
+        first_read = min(backward[0], first_read or backward[0])
+  if len(remade) < _MIN_REMADE:
+    return None
+  chain: set[int] = set()
+  stack = [liveness.producer[v] for v in remade]
+  while stack:
+    index = stack.pop()
+    if index in chain:
+      continue
+    chain.add(index)
+    for atom in program.equations[index].inputs:
+      if not isinstance(atom, int):
+        continue
+      made_by = liveness.producer[atom]
+      if (start < made_by <= stop and made_by not in chain
+          and _rules.is_recomputable(program.equations[made_by].eqn)
+          and _last_forward_read(liveness, atom, end) <= stop):
+        stack.append(made_by)
+  return SegmentRemat(tuple(sorted(chain)), tuple(remade), first_read)
+
+
+def rematerialize_segments(program: Program,
+                           remats: tuple[SegmentRemat, ...]) -> Program:
+  """`program` with each of `remats` re-run where it says (see the module
+  docstring); `program` itself for none."""
+  if not remats:
+    return program
+  avals = list(program.avals)
+  by_place: dict[int, list[SegmentRemat]] = {}
+  for remat in remats:
+    by_place.setdefault(remat.before, []).append(remat)
+  renamed: dict[int, int] = {}  # original id -> its copy, once remade
+  equations: list[Equation] = []
+
+  def read(atom):
+    return renamed.get(atom, atom) if isinstance(atom, int) else atom
+
+  def new_id(aval) -> int:
+    avals.append(aval)
+    return len(avals) - 1
+
+  for index, equation in enumerate(program.equations):
+    for remat in by_place.get(index, ()):
+      equations.extend(_remade(program, remat, equation, read, renamed,
+                               new_id))
+    equations.append(dataclasses.replace(
+        equation, inputs=tuple(read(a) for a in equation.inputs)))
+  outvars = tuple(read(a) for a in program.outvars)
+  return dataclasses.replace(program, equations=tuple(equations),
+                             outvars=outvars, avals=tuple(avals))
+
+
+def _remade(program, remat, before: Equation, read, renamed, new_id
+            ) -> list[Equation]:
+  """The equations that re-run `remat.chain` before `before`: a barrier
+  over the chain's inputs and `before`'s operands (which the backward pass
+  made), then each chain equation reading copies. Updates `renamed`."""
+  chain = set(remat.chain)
+  made = {v for i in chain for v in program.equations[i].outputs}
+  leaves = [a for a in dict.fromkeys(
+      a for i in remat.chain for a in program.equations[i].inputs
+      if isinstance(a, int)) if a not in made]
+  # Only arrays with a layout of their own go through a barrier (a PRNG
+  # key is remade from its own copy, or read as it is).
+  tied = [a for a in leaves if _compat.has_plain_layout(program.avals[a])]
+  waits_for = [a for a in dict.fromkeys(before.inputs)
+               if isinstance(a, int) and a not in tied and a not in made
+               and _compat.has_plain_layout(program.avals[a])]
+  barrier_inputs = [read(a) for a in tied + waits_for]
+  out = []
+  if barrier_inputs:
+    outputs = tuple(new_id(program.avals[a]) for a in tied + waits_for)
+    scope = "jlms/remat_segment"
+    vars_in = [_compat.new_var(program.avals[a]) for a in tied + waits_for]
+    vars_out = [_compat.new_var(program.avals[a]) for a in tied + waits_for]
+    template = _compat.barrier_equation(vars_in, vars_out, before.eqn, scope)
+    out.append(Equation(template, tuple(barrier_inputs), outputs,
+                        _compat.scope_name_stack(scope)))
+    # The leaves' copies feed the chain only; the backward operands'
+    # copies are what the backward pass reads from here on, which keeps
+    # the barrier (and the order it sets) in XLA's program.
+    local = dict(zip(tied, outputs[:len(tied)]))
+    renamed.update(zip(waits_for, outputs[len(tied):]))
+  else:
+    local = {}
+  for index in remat.chain:
+    equation = program.equations[index]
+    inputs = tuple(local.get(a, read(a)) if isinstance(a, int) else a
+                   for a in equation.inputs)
+    outputs = tuple(new_id(program.avals[v]) for v in equation.outputs)
+    local.update(zip(equation.outputs, outputs))
+    stack = _compat.extend_name_stack(equation.name_stack,
+                                      "rematted_computation")
+    # A distinct equation object (passes key equations by identity),
+    # with fresh result vars; the Program's ids say what it reads.
+    eqn = _compat.rebuilt_equation(
+        equation.eqn, equation.eqn.invars,
+        [_compat.new_var(program.avals[v]) for v in equation.outputs], stack)
+    out.append(Equation(eqn, inputs, outputs, stack))
+  renamed.update((v, local[v]) for i in chain
+                 for v in program.equations[i].outputs)
+  return out

@@ -1,0 +1,127 @@
+"""Per-segment remat of a forward pass that is no loop (`jlms._segment_remat`):
+cuts at the residual stream, the same values, the backward pass reading
+only remade copies, and less memory than the step as it is."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jlms
+from jlms import _compat, _segment_remat
+from jlms._config import OffloadConfig
+from jlms._liveness import analyse
+from jlms._program import flatten
+from jlms._rewrite import rewrite
+from jlms._simulator import simulate
+from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
+
+LAYERS, BATCH, SEQ, WIDTH, HIDDEN = 6, 4, 64, 32, 256
+
+
+def _block(x, params):
+  """A pre-norm residual block whose hidden activation is 8 times as wide
+  as its input: what per-block remat exists for."""
+  w_in, w_out = params
+  h = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(
+      x.var(-1, keepdims=True) + 1e-6)
+  h = jax.nn.gelu(h @ w_in)
+  return x + h @ w_out
+
+
+def _step():
+  def loss_fn(params, x):
+    for layer in params:  # a Python loop: one long forward pass
+      x = _block(x, layer)
+    return jnp.mean(x ** 2)
+
+  def step(params, x):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+  keys = jax.random.split(jax.random.key(0), 2 * LAYERS + 1)
+  params = [(jax.random.normal(keys[2 * i], (WIDTH, HIDDEN)) / WIDTH**0.5,
+             jax.random.normal(keys[2 * i + 1], (HIDDEN, WIDTH)) / HIDDEN**0.5)
+            for i in range(LAYERS)]
+  x = jax.random.normal(keys[-1], (BATCH, SEQ, WIDTH))
+  return step, (params, x)
+
+
+def _program():
+  step, args = _step()
+  program = flatten(jax.make_jaxpr(step)(*args))
+  return program, analyse(program), args
+
+
+def _run(program, args):
+  closed = rewrite(program, (), OffloadConfig())
+  jaxpr, consts = _compat.jaxpr_parts(closed)
+  return jax.jit(lambda *a: _compat.eval_jaxpr(jaxpr, consts, *a))(
+      *jax.tree.leaves(args))
+
+
+def test_the_cuts_are_the_residual_stream_between_blocks():
+  program, liveness, _ = _program()
+  cuts = _segment_remat.forward_cuts(program, liveness)
+  # One cut per block's output but the last (the loss reads it at once),
+  # and the step's input: its first block's input.
+  assert len(cuts) >= LAYERS - 1
+  carried = [program.avals[v].shape for i in cuts
+             for v in program.equations[i].outputs]
+  assert carried.count((BATCH, SEQ, WIDTH)) >= LAYERS - 1
+
+
+def test_remade_segments_compute_what_the_step_computes():
+  program, liveness, args = _program()
+  cuts = _segment_remat.forward_cuts(program, liveness)
+  for every in (1, 2):
+    remats = _segment_remat.segment_remats(program, liveness, cuts, every)
+    assert remats
+    remade = _segment_remat.rematerialize_segments(program, remats)
+    for want, got in zip(_run(program, args), _run(remade, args)):
+      assert max_relative_error(np.asarray(got), np.asarray(want)) \
+          <= F32_TOLERANCE
+
+
+def test_the_backward_pass_reads_only_the_remade_copies():
+  program, liveness, _ = _program()
+  cuts = _segment_remat.forward_cuts(program, liveness)
+  remats = _segment_remat.segment_remats(program, liveness, cuts)
+  remade = _segment_remat.rematerialize_segments(program, remats)
+  replaced = {v for r in remats for i in r.chain
+              for v in program.equations[i].outputs}
+  # The backward pass starts after the forward's last equation; the first
+  # remaking in it starts at its first barrier.
+  first_remade = min(i for i, e in enumerate(remade.equations)
+                     if "remat_segment" in str(e.name_stack))
+  assert first_remade >= _segment_remat.forward_end(program)
+  uses = analyse(remade).uses
+  for value in replaced:
+    assert all(read < first_remade for read in uses[value]), value
+
+
+def test_remade_segments_hold_less_than_the_step_as_it_is():
+  program, liveness, _ = _program()
+  cuts = _segment_remat.forward_cuts(program, liveness)
+  remats = _segment_remat.segment_remats(program, liveness, cuts)
+  remade = _segment_remat.rematerialize_segments(program, remats)
+  before = simulate(program, liveness, ()).peak_bytes
+  after = simulate(remade, analyse(remade), ()).peak_bytes
+  # Each block's hidden activations (BATCH x SEQ x HIDDEN float32, 256 KiB
+  # and its gelu's input) are held by one block at a time, not all.
+  hidden = BATCH * SEQ * HIDDEN * 4
+  assert after <= before - (LAYERS - 2) * hidden
+
+
+def test_a_step_without_a_gradient_has_no_cuts():
+  program = flatten(jax.make_jaxpr(lambda x: jnp.tanh(x @ x) @ x)(
+      jnp.ones((64, 64))))
+  assert _segment_remat.forward_cuts(program, analyse(program)) == ()
+
+
+def test_a_python_loop_model_planned_at_a_tight_budget_gives_jits_outputs():
+  step, args = _step()
+  want = jax.jit(step)(*args)
+  offloaded = jlms.offload(step, budget="min")
+  got = offloaded(*args)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert max_relative_error(np.asarray(a), np.asarray(b)) <= F32_TOLERANCE
