@@ -226,10 +226,15 @@ def rematerialize_segments(program: Program,
     avals.append(aval)
     return len(avals) - 1
 
+  # Only values the backward pass made tie a remaking to its place (a
+  # parameter read there, tied too, would reach the update through the
+  # barrier).
+  end = forward_end(program) or 0
+  made_backward = {v for e in program.equations[end:] for v in e.outputs}
   for index, equation in enumerate(program.equations):
     for remat in by_place.get(index, ()):
       equations.extend(_remade(program, remat, equation, read, renamed,
-                               new_id))
+                               new_id, made_backward))
     equations.append(dataclasses.replace(
         equation, inputs=tuple(read(a) for a in equation.inputs)))
   outvars = tuple(read(a) for a in program.outvars)
@@ -237,11 +242,12 @@ def rematerialize_segments(program: Program,
                              outvars=outvars, avals=tuple(avals))
 
 
-def _remade(program, remat, before: Equation, read, renamed, new_id
-            ) -> list[Equation]:
+def _remade(program, remat, before: Equation, read, renamed, new_id,
+            made_backward) -> list[Equation]:
   """The equations that re-run `remat.chain` before `before`: a barrier
-  over the chain's inputs and `before`'s operands (which the backward pass
-  made), then each chain equation reading copies. Updates `renamed`."""
+  over the chain's inputs and those of `before`'s operands that the
+  backward pass made (`made_backward`), then each chain equation reading
+  copies. Updates `renamed`."""
   chain = set(remat.chain)
   made = {v for i in chain for v in program.equations[i].outputs}
   leaves = [a for a in dict.fromkeys(
@@ -251,8 +257,8 @@ def _remade(program, remat, before: Equation, read, renamed, new_id
   # key is remade from its own copy, or read as it is).
   tied = [a for a in leaves if _compat.has_plain_layout(program.avals[a])]
   waits_for = [a for a in dict.fromkeys(before.inputs)
-               if isinstance(a, int) and a not in tied and a not in made
-               and _compat.has_plain_layout(program.avals[a])]
+               if isinstance(a, int) and a in made_backward
+               and a not in tied and _compat.has_plain_layout(program.avals[a])]
   barrier_inputs = [read(a) for a in tied + waits_for]
   out = []
   if barrier_inputs:
