@@ -5,9 +5,10 @@ only remade copies, and less memory than the step as it is."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jlms
-from jlms import _compat, _segment_remat
+from jlms import _compat, _search, _segment_remat
 from jlms._config import OffloadConfig
 from jlms._liveness import analyse
 from jlms._program import flatten
@@ -125,3 +126,39 @@ def test_a_python_loop_model_planned_at_a_tight_budget_gives_jits_outputs():
   got = offloaded(*args)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert max_relative_error(np.asarray(a), np.asarray(b)) <= F32_TOLERANCE
+
+
+@pytest.mark.parametrize("tighter_fits", [False, True])
+def test_a_refused_plan_is_followed_by_the_next_way_then_a_tighter_fit(
+    monkeypatch, tighter_fits):
+  """XLA refuses the fastest way's plan (values remade one by one): the
+  search compiles the next fastest way's (segments remade), which fits,
+  and then once a tighter fit of every way, which it takes only where XLA
+  says that one fits too."""
+  step, args = _step()
+  budget = int(0.6 * jlms.offload(step).plan(*args).predicted_peak_bytes)
+  compiled = []
+
+  def stand_in(jit_params, rewritten, abstract, target, donated=(),
+               host_inputs=(), fitted=True):
+    program = flatten(rewritten)
+    segments = any("remat_segment" in str(e.name_stack)
+                   for e in program.equations)
+    if not fitted:
+      peak = 2 * budget  # jax.jit's program
+    elif segments:
+      peak = simulate(program, analyse(program)).peak_bytes
+    else:
+      tighter = any(not s for f, s, _ in compiled[1:])
+      peak = budget - 1 if tighter and tighter_fits else budget + 1
+    compiled.append((fitted, segments, peak))
+    return peak
+
+  monkeypatch.setattr(_search, "xla_peak", stand_in)
+  plan = jlms.offload(step, budget=budget, target="h100").plan(*args)
+  kinds = [(fitted, segments) for fitted, segments, _ in compiled]
+  assert kinds == [(False, False), (True, False), (True, True),
+                   (True, False)], compiled
+  assert compiled[2][2] <= budget
+  want = compiled[3][2] if tighter_fits else compiled[2][2]
+  assert plan.xla_peak_bytes == want <= budget
