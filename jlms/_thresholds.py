@@ -45,6 +45,12 @@ class Thresholds:
   batch_split_min_bytes: int = 256 << 20
   #: The most equations one batch-split region takes in.
   batch_split_max_equations: int = 512
+  #: Segments of a forward pass are remade (`jlms._segment_remat`) where
+  #: the activations they remake take at least this in all: each such way
+  #: costs the search an analysis of the whole step (a 450-layer MLP of
+  #: 128-byte activations planned in 4.5x its tracing with three of them,
+  #: 1.3x without).
+  segment_remat_min_bytes: int = 1 << 20
 
 
 #: The thresholds in force; read by each pass when it runs.
@@ -67,4 +73,4 @@ def overridden(**fields):
 #: its value exists at all.
 EVERY_SIZE = dict(loop_sink_min_bytes=1, streamed_leaf_min_bytes=1,
                   state_leaf_min_bytes=1, fit_min_bytes=1,
-                  batch_split_min_bytes=1)
+                  batch_split_min_bytes=1, segment_remat_min_bytes=1)

@@ -37,6 +37,7 @@ import dataclasses
 import logging
 from typing import Iterator
 
+from jlms import _thresholds
 from jlms._analysed import AnalysedProgram
 from jlms._batch_split import split_runs
 from jlms._config import OffloadConfig
@@ -165,8 +166,12 @@ class SegmentsRemaking:
         remats = segment_remats(start.program, start.liveness, cuts, every,
                                 phase)
         # A step with a few segments (a scanned model's embedding and
-        # head) gains little over what the fit remakes value by value.
-        if len(remats) < _MIN_SEGMENTS or remats in seen:
+        # head) gains little over what the fit remakes value by value, and
+        # one of tiny activations not the analysis of a way.
+        remade = sum(start.liveness.nbytes[v] for r in remats
+                     for v in r.remade)
+        if (len(remats) < _MIN_SEGMENTS or remats in seen
+            or remade < _thresholds.THRESHOLDS.segment_remat_min_bytes):
           continue
         seen.add(remats)
         program = rematerialize_segments(start.program, remats)

@@ -27,3 +27,24 @@ def test_lowered_thresholds_start_a_pass_on_a_small_step_and_are_restored():
     assert loop_sinks(program, liveness)
   assert _thresholds.THRESHOLDS == _thresholds.Thresholds()
   assert loop_sinks(program, liveness) == ()
+
+
+def test_segments_of_tiny_activations_are_no_way_of_their_own():
+  """An unrolled MLP of 128-byte activations has segments to remake, but
+  not enough bytes in them to be worth analysing a way for; under the
+  lowered thresholds it has that way."""
+  from jlms._analysed import AnalysedProgram
+  from jlms._config import OffloadConfig
+  from jlms._variants import loop_ways
+
+  case = models.many_equations_case(layers=8)
+  program = flatten(jax.make_jaxpr(case.step)(*case.abstract_args()))
+
+  def segment_ways():
+    return [w.description for w in loop_ways(AnalysedProgram.of(program),
+                                             OffloadConfig(), None)
+            if "segments" in w.description]
+
+  assert segment_ways() == []
+  with _thresholds.overridden(**_thresholds.EVERY_SIZE):
+    assert segment_ways()

@@ -144,9 +144,34 @@ def test_updates_move_before_an_embeddings_scatter_add():
   tokens = jnp.arange(BATCH * 4).reshape(BATCH, 4) % vocab
   program = flatten(jax.make_jaxpr(step)(params, optimizer.init(params),
                                          tokens))
+  program = dataclasses.replace(program,
+                                donated=tuple(range(len(program.invars) - 1)))
   moved = _update_order.updates_at_gradients(program)
   scatter = [i for i, e in enumerate(moved.equations)
              if "scatter" in e.primitive.name]
   assert scatter
   tail = _update_order.update_tail(moved)
   assert sum(i < scatter[-1] for i in tail) >= LAYERS - 1
+
+
+def test_an_update_into_new_buffers_stays_where_the_step_has_it():
+  """Where the step donates nothing, an update moved earlier would hold
+  its new parameter and moments beside the old ones: no group moves."""
+  program, _, _ = _programs()
+  undonated = dataclasses.replace(program, donated=())
+  moved = _update_order.updates_at_gradients(undonated)
+  outputs = {a for a in program.outvars if isinstance(a, int)}
+
+  def places(p):
+    """For each equation writing a step output, how many equations
+    outside the update tail run before it."""
+    tail = _update_order.update_tail(p)
+    seen, found = 0, {}
+    for index, equation in enumerate(p.equations):
+      if index not in tail:
+        seen += 1
+      elif set(equation.outputs) & outputs:
+        found[id(equation.eqn)] = seen
+    return found
+
+  assert places(moved) == places(undonated)
