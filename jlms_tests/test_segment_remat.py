@@ -155,6 +155,10 @@ def test_a_refused_plan_is_followed_by_the_next_way_then_a_tighter_fit(
     return peak
 
   monkeypatch.setattr(_search, "xla_peak", stand_in)
+  # The order under test, not the time model's ranking of this small step
+  # (its segments predicted 10% slower on one JAX, 13% on another): every
+  # way counts as near enough to compile.
+  monkeypatch.setattr(_search, "_NEXT_WAY_SLOWER_BY", 1.0)
   plan = jlms.offload(step, budget=budget, target="h100").plan(*args)
   kinds = [(fitted, segments) for fitted, segments, _ in compiled]
   assert kinds == [(False, False), (True, False), (True, True),
