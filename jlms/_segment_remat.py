@@ -55,9 +55,6 @@ _CUT_SLACK = 1.5
 #: carry almost nothing: a key, the labels; its loss may carry 40 times
 #: a layer's residual, GPT-2's logits).
 _MIDDLE_SHARE = 1 / 16
-#: A segment is worth remaking when it reads at least this many of its
-#: own activations in the backward pass.
-_MIN_REMADE = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +183,7 @@ def _segment(program, liveness, start, stop, end) -> SegmentRemat | None:
       if backward:
         remade.append(value)
         first_read = min(backward[0], first_read or backward[0])
-  if len(remade) < _MIN_REMADE:
+  if not remade:
     return None
   chain: set[int] = set()
   stack = [liveness.producer[v] for v in remade]
