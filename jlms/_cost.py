@@ -71,6 +71,12 @@ class GpuTarget:
   #: roofline, and copies planned in one window queue on one engine; see
   #: docs/benchmarks.md. True trusts the windows.
   hides_copies: bool = False
+  #: Whether XLA's scheduler runs a loop's streamed slices (fetched an
+  #: iteration ahead, or copied out from the start of their iteration)
+  #: beside the iteration's kernels. It does while what the program holds
+  #: stays under its memory limit; past it, it keeps each copy next to its
+  #: wait. `jlms._schedule.scheduler_overlaps` says which, per program.
+  streams_hide: bool = True
   #: fraction of the roofline each kind of kernel reaches: the least
   #: root-mean-square log error against the H100's measured steps on the
   #: grid of `benchmarks.time_model_error` (see the module's docstring).

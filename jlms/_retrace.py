@@ -152,3 +152,35 @@ def traced_call(call: Callable, avals, host_positions, name: str, like,
       outer, new_inner, name, invars=invars,
       outvars=list(outer.outvars) if outvars is None else outvars,
       source_info=like.source_info, ctx=like.ctx)
+
+
+def unwrapped_call(equation: Equation) -> Equation | None:
+  """The one equation inside the nested-jit call `equation`, over the
+  call's own atoms and writing its outputs, or None where the body is not
+  exactly one equation that writes the call's outputs in order (constants
+  closed over, an output forwarded from an input, several equations).
+
+  A pass that finds loops by their primitive (`jlms._loops`) then sees the
+  loop that `traced_call` wrapped; XLA inlines the call either way, so the
+  compiled step is the same."""
+  body = _compat.call_body_closed(equation.eqn)
+  if body is None:
+    return None
+  jaxpr, consts = _compat.jaxpr_parts(body)
+  if consts or jaxpr.constvars or len(jaxpr.eqns) != 1:
+    return None
+  inner = jaxpr.eqns[0]
+  if list(jaxpr.outvars) != list(inner.outvars):
+    return None
+  position = {var: p for p, var in enumerate(jaxpr.invars)}
+  inputs = []
+  for var in inner.invars:
+    if isinstance(var, _compat.Literal):
+      inputs.append(Const(var.val, literal=var))
+    elif var in position:
+      inputs.append(equation.inputs[position[var]])
+    else:
+      return None
+  return Equation(inner.replace(source_info=equation.eqn.source_info,
+                                ctx=equation.eqn.ctx),
+                  tuple(inputs), equation.outputs, equation.name_stack)

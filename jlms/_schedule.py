@@ -11,8 +11,12 @@ run; the equation that must find its buffer freed (`swap_out_done_before`,
 or the next one under `SyncMode.SWAP_OUT`) waits for it. A copy back starts
 where its swap-in is issued, not before its copy to host has ended; each read
 it serves waits for it. A recomputation runs its kernel where it is issued.
-Scan residuals streamed inside loops move one slice per iteration beside
-the loop's own kernels: the loop takes the longer of the two.
+Scan residuals streamed inside loops move one slice per iteration: a
+slice fetched an iteration ahead, or copied out from the start of the
+iteration that reads it (a layer's input), runs beside the loop's own
+kernels, each engine apart, and the loop takes the longest of the three;
+a slice that the body makes goes out after its last kernel, and the loop
+waits for it whole, as it does for state streamed by the update loop.
 
 This is the same kind of model as the yardstick that prices XLA's compiled
 schedule (../shared/tools/step_time.py), applied before compiling, so the
@@ -26,10 +30,11 @@ import dataclasses
 
 import numpy as np
 
+from jlms import _compat
 from jlms._config import SyncMode
 from jlms._cost import GpuTarget, recompute_seconds_together
 from jlms._liveness import Liveness, aval_nbytes
-from jlms._program import Program
+from jlms._program import Program, donation_pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,23 +117,46 @@ def predict_step_time(program: Program, liveness: Liveness,
       if sync_in:
         waits[min(swap_in.issue_before, n)].append(key)
 
-  streamed = collections.defaultdict(float)  # loop index -> copy seconds
+  # Per loop: its slices' seconds beside its iterations, per engine, and
+  # the seconds each iteration waits after its kernels.
+  beside = collections.defaultdict(lambda: [0.0, 0.0])  # d2h, h2d
+  after = collections.defaultdict(float)
   d2h = h2d = 0
   for residual in residuals:
     size = aval_nbytes(program.avals[residual.value])
+    seconds = target.transfer_seconds(size)
     if residual.producer is not None:  # else on host before the step
-      streamed[residual.producer] += target.transfer_seconds(size)
+      if residual.ready_at_iteration_start:
+        beside[residual.producer][0] += seconds
+      else:
+        after[residual.producer] += seconds
       d2h += size
     for reader in residual.readers:
-      streamed[reader] += target.transfer_seconds(size)
+      # Fetched an iteration ahead (`jlms._loops.prefetching_reader`).
+      beside[reader][1] += seconds
     h2d += size * len(residual.readers)
   for copy in state_copies:
-    # Each direction has its engine: the slower one is what the loop (or
-    # the copy of a whole leaf) waits for.
-    streamed[copy.index] += max(target.transfer_seconds(copy.to_device),
-                                target.transfer_seconds(copy.to_host))
+    # Each direction has its engine, but XLA waits for each slice's copy
+    # right after starting it, the fetch and the write-back one after the
+    # other (the 6.58B-parameter GPT's moment on host: 8.25 GiB each way,
+    # 322 ms exposed by the schedule model, 161 ms each way).
+    after[copy.index] += (target.transfer_seconds(copy.to_device)
+                          + target.transfer_seconds(copy.to_host))
     d2h += copy.to_host
     h2d += copy.to_device
+
+  def streamed_wait(index: int) -> float:
+    """Seconds the loop at `index` runs past its own kernels for the
+    slices it moves."""
+    if index not in beside and index not in after:
+      return 0.0
+    own = float(kernel_s[index])
+    d2h_beside, h2d_beside = beside.get(index, (0.0, 0.0))
+    if not target.streams_hide:
+      return d2h_beside + h2d_beside + after.get(index, 0.0)
+    return max(own, d2h_beside, h2d_beside) - own + after.get(index, 0.0)
+
+  streamed = set(beside) | set(after)
 
   if not target.hides_copies and not walk:
     # Compute waits for each copy as it is made: every copy is exposed
@@ -136,13 +164,13 @@ def predict_step_time(program: Program, liveness: Liveness,
     # the order the walk below meets them, in O(copies) instead of
     # O(equations): the greedy fit prices hundreds of trials.
     exposed = 0.0
-    events = sorted(set(ins_before) | set(streamed) | set(outs_after))
+    events = sorted(set(ins_before) | streamed | set(outs_after))
     for index in events:
       for key, size in ins_before.get(index, ()):
         exposed += target.transfer_seconds(size)
         h2d += size
       if index < n:
-        exposed += streamed.get(index, 0.0)
+        exposed += streamed_wait(index)
         for number in outs_after.get(index, ()):
           size = liveness.nbytes[offloads[number].value]
           exposed += target.transfer_seconds(size)
@@ -171,15 +199,9 @@ def predict_step_time(program: Program, liveness: Liveness,
     if index == n:
       break
     t += recomputes.get(index, 0.0)
-    own = float(kernel_s[index])
-    copies = streamed.get(index, 0.0)
-    if not target.hides_copies:  # each iteration waits for its slices
-      exposed += copies
-      t += own + copies
-    else:
-      if copies > own:  # the loop waits for its slices
-        exposed += copies - own
-      t += max(own, copies)
+    wait = streamed_wait(index)
+    exposed += wait
+    t += float(kernel_s[index]) + wait
     for number in outs_after.get(index, ()):
       size = liveness.nbytes[offloads[number].value]
       start = max(engine["d2h"], t)
@@ -192,3 +214,39 @@ def predict_step_time(program: Program, liveness: Liveness,
   t += recomputes.get(n, 0.0)
   return StepTime(float(np.sum(kernel_s)), recompute_total,
                   exposed + tail, int(d2h), int(h2d), target.link)
+
+
+#: XLA's GPU scheduler: the share of the device's memory it schedules
+#: within, and the share of what is left after the program's arguments and
+#: outputs that it lets the program hold (`GetSchedulerMemoryLimit` in
+#: XLA's gpu_hlo_schedule.cc, the default `xla_gpu_memory_limit_slop_
+#: factor`; neither can be given per compile from JAX).
+SCHEDULER_DEVICE_SHARE = 0.8
+SCHEDULER_SLOP = 0.95
+
+
+def scheduler_overlaps(program: Program, peak_bytes: int | None,
+                       device_bytes: int | None) -> bool:
+  """Whether XLA's latency-hiding scheduler will start `program`'s loop
+  copies ahead of their waits: only while the program's device peak
+  (`peak_bytes`; where None, its arguments and outputs alone) stays under
+  the scheduler's memory limit. Its arguments and outputs on the device count
+  in full, a donated input and the output it becomes once; past the
+  limit, as where they alone pass 80% of the device, the scheduler keeps
+  each copy beside its wait (the 6.58B-parameter GPT with 65.6 GiB of
+  state on an H100: its layers' inputs stream with every copy exposed,
+  1730 ms by the schedule model where they would hide in 1254). Unknown
+  where the device's size is (None): taken to overlap."""
+  if device_bytes is None:
+    return True
+  def on_device(atom) -> int:
+    if not isinstance(atom, int) or _compat.is_host_aval(program.avals[atom]):
+      return 0
+    return aval_nbytes(program.avals[atom])
+  aliased = {out for _, out in donation_pairs(program)}
+  held = (sum(on_device(v) for v in program.invars)
+          + sum(on_device(v) for p, v in enumerate(program.outvars)
+                if p not in aliased))
+  room = SCHEDULER_DEVICE_SHARE * device_bytes - held
+  peak = held if peak_bytes is None else peak_bytes
+  return room > 0 and peak - held <= SCHEDULER_SLOP * room

@@ -403,6 +403,10 @@ def fused_update_loop(program: Program, liveness: Liveness, loop: int,
 
     def iteration(state, xs):
       carry, count, device_buffers, host_buffers, fetched, pending = state
+      # A count of its own, not XLA's loop counter (see `jlms._loops`):
+      # the fetch ahead and the write behind can then start at the top of
+      # the body.
+      count = jax.lax.optimization_barrier(count)
       other_slices, read_only_slices = xs
       index = index_of(count)
       slices = [jax.lax.dynamic_index_in_dim(b, index, keepdims=False)

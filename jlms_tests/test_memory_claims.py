@@ -100,7 +100,11 @@ def test_scanned_gpt_activation_memory_is_flat_in_layers():
   shallow, deep = memories[12], memories[24]
   assert jit_deep.peak_bytes >= 25 * 2**30  # about 28 GiB
   assert deep.peak_bytes <= 6 * 2**30
-  assert deep.peak_bytes <= jit_deep.peak_bytes / 8
+  # The backward loop fetches the next layer's slices while this layer
+  # computes, so two layers' slices are on the device: 3.61 GiB, where
+  # XLA waited for each fetch at the iteration's end before 2026-11-27
+  # (2.67 GiB; jlms's simulator counts both slices, 3.35 GiB).
+  assert deep.peak_bytes <= jit_deep.peak_bytes / 7
   assert deep.host_bytes >= 20 * 2**30  # the residuals went to host
   # Temporaries (all but arguments and outputs) do not grow with depth.
   assert deep.temp_bytes <= 1.15 * shallow.temp_bytes

@@ -1,0 +1,166 @@
+"""Host copies that run beside compute: streamed loops whose copies XLA
+overlaps with their iterations (`jlms._loops`, `jlms._update_fusion`), the
+way that streams only each layer's input and remakes the rest
+(`jlms._variants.LoopsRemakingStreamed`), and the time model that knows
+which copies hide (`jlms._schedule`)."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jlms
+from benchmarks import models
+from jlms._config import OffloadConfig
+from jlms._cost import time_target
+from jlms._liveness import analyse
+from jlms._loop_remat import (cheapest, loop_rematerializations,
+                              rematerialize_in_loops)
+from jlms._loops import find_scan_residuals
+from jlms._program import flatten
+from jlms._retrace import unwrapped_call
+from jlms._schedule import predict_step_time, scheduler_overlaps
+from jlms._cost import kernel_seconds
+from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
+
+H100 = time_target("h100")
+GIB = 1 << 30
+
+
+def _scan_mlp(layers=4, width=256, batch=1024):
+  return models.scan_mlp_case(layers=layers, width=width, batch=batch)
+
+
+def _remade(case):
+  """The scanned MLP's program with every residual remade in the backward
+  loop, its loops unwrapped from the calls that traced them."""
+  program = flatten(jax.make_jaxpr(case.step)(*case.abstract_args()))
+  liveness = analyse(program)
+  chosen = cheapest(loop_rematerializations(program, liveness), 1.0)
+  remade = rematerialize_in_loops(program, chosen)
+  equations = list(remade.equations)
+  for choice in chosen:
+    for index in (choice.forward, choice.backward):
+      equations[index] = unwrapped_call(equations[index])
+      assert equations[index] is not None
+  return dataclasses.replace(remade, equations=tuple(equations))
+
+
+def test_a_remade_loop_stacks_its_layer_inputs_ready_at_each_iterations_start():
+  case = _scan_mlp()
+  plain = flatten(jax.make_jaxpr(case.step)(*case.abstract_args()))
+  config = OffloadConfig(min_bytes=1, swapout_threshold=2)
+  made = find_scan_residuals(plain, analyse(plain), config)
+  # Autodiff's stacks (three on JAX 0.10, two on 0.12) are made by the
+  # layer's kernels, but for its input.
+  assert len(made) >= 2
+  assert sum(r.ready_at_iteration_start for r in made) == 1
+  program = _remade(case)
+  (carried,) = find_scan_residuals(program, analyse(program), config)
+  assert carried.ready_at_iteration_start
+  assert program.avals[carried.value].shape == (4, 1024, 256)
+
+
+def test_a_slice_ready_at_its_iterations_start_hides_under_the_loop():
+  case = _scan_mlp(layers=8, width=1024, batch=4096)
+  program = _remade(case)
+  liveness = analyse(program)
+  (carried,) = find_scan_residuals(program, liveness, OffloadConfig(
+      min_bytes=1, swapout_threshold=2))
+  seconds = kernel_seconds(program, H100, liveness=liveness)
+  copy = H100.transfer_seconds(liveness.nbytes[carried.value])
+  forward = float(seconds[carried.producer])
+  assert forward < copy  # the link bounds this loop
+
+  def exposed(residual, target=H100):
+    return predict_step_time(program, liveness, seconds, (), target,
+                             residuals=(residual,)).exposed_transfer_s
+
+  backward = sum(float(seconds[r]) for r in carried.readers)
+  fetched = max(0.0, copy - backward)  # an iteration ahead, beside it
+  # Copied out after the layer's last kernel: the iteration waits for it.
+  assert exposed(dataclasses.replace(
+      carried, ready_at_iteration_start=False)) == pytest.approx(
+          copy + fetched)
+  # Copied out from the iteration's start: only what the forward loop's
+  # kernels do not cover.
+  assert exposed(carried) == pytest.approx(copy - forward + fetched)
+  # Where XLA's scheduler has no room, it overlaps nothing.
+  crowded = dataclasses.replace(H100, streams_hide=False)
+  assert exposed(carried, crowded) == pytest.approx(2 * copy)
+
+
+def test_xlas_scheduler_overlaps_only_under_its_memory_limit():
+  def program_of(nbytes):
+    x = jax.ShapeDtypeStruct((nbytes // 4,), jnp.float32)
+    return flatten(jax.make_jaxpr(lambda x: x * 2)(x))
+
+  device = 80 * GIB
+  small, large = program_of(GIB), program_of(34 * GIB)  # in + out: 68 GiB
+  assert scheduler_overlaps(small, None, device)
+  assert scheduler_overlaps(small, 40 * GIB, device)
+  # Arguments and outputs past 80% of the device: no room at all.
+  assert not scheduler_overlaps(large, None, device)
+  # A peak past the room left after them.
+  assert not scheduler_overlaps(small, 70 * GIB, device)
+  assert scheduler_overlaps(small, 70 * GIB, None)  # size unknown
+
+
+def test_the_least_memory_of_a_scanned_mlp_streams_layer_inputs_and_remakes_the_rest():
+  case = _scan_mlp()
+  args = case.make_args()
+  step = jlms.offload(case.step, budget="min")
+  plan = step.plan(*args)
+  streamed = [v for v in plan.offloaded if v.streamed]
+  # One stack of layer inputs through host, not autodiff's three stacks.
+  assert [v.shape for v in streamed] == [(4, 1024, 256)]
+  ours = theirs = params = args[0]
+  for _ in range(3):  # each step from the last one's parameters
+    ours, loss = step(ours, *args[1:])
+    theirs, expected_loss = jax.jit(case.step)(theirs, *args[1:])
+    assert max_relative_error(loss, expected_loss) <= F32_TOLERANCE
+  assert max_relative_error(ours, theirs) <= F32_TOLERANCE
+
+
+_OPERATION = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*? ([a-z\-]+)\(")
+
+
+def _loop_bodies(hlo: str) -> list[list[tuple[str, str]]]:
+  """(name, opcode) of each instruction, in schedule order, of every
+  computation that copies to or from host memory (S(5)) asynchronously."""
+  bodies = []
+  for block in re.split(r"\n(?=%|ENTRY)", hlo):
+    lines = block.splitlines()
+    if not lines or "S(5)" not in block or "ENTRY" in lines[0]:
+      continue
+    operations = [m.groups() for m in map(_OPERATION.match, lines[1:]) if m]
+    if any(op.endswith("-start") for _, op in operations):
+      bodies.append(operations)
+  return bodies
+
+
+def test_xla_fetches_a_streamed_loops_next_slice_beside_its_matmuls():
+  case = models.scan_mlp_case(layers=8, width=1024, batch=2048)
+  step = jlms.offload(case.step, budget="min", target="h100")
+  args = case.abstract_args()
+  assert any(v.streamed for v in step.plan(*args).offloaded)
+  hlo = jlms.xla_memory(step, *args, target="h100").hlo_text
+  fetching = [operations for operations in _loop_bodies(hlo)
+              if any("dynamic-slice-start" in name
+                     and "update" not in name for name, _ in operations)]
+  assert fetching  # the backward loop
+  for operations in fetching:
+    names = [name for name, _ in operations]
+    matmuls = [i for i, name in enumerate(names) if "gemm" in name]
+    for start, name in enumerate(names):
+      if "dynamic-slice-start" not in name or "update" in name:
+        continue
+      done = next(i for i, (_, op) in enumerate(operations)
+                  if op.endswith("-done") and i > start
+                  and name.replace("start", "done") == names[i])
+      # The next iteration's slice comes in while this one's matmuls run:
+      # its copy starts before the first of them (where XLA's loop counter
+      # made the fetch's index, it started after all but the last one).
+      assert start < matmuls[0] < done, (name, names)
