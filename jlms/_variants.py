@@ -124,21 +124,23 @@ class LoopsRemaking:
   shares: tuple = LOOP_REMAT_SHARES
 
   def ways(self, start, sunk: _Sunk, config, target) -> Iterator[Way]:
-    pairs = loop_rematerializations(sunk.program, sunk.liveness,
-                                    target=target)
-    if not pairs:
-      return
-    seen = set()
-    for share in self.shares:
-      chosen = cheapest(pairs, share)
-      key = tuple(c.residuals for c in chosen)
-      if key in seen:
-        continue
-      seen.add(key)
-      program = rematerialize_in_loops(sunk.program, chosen)
+    for chosen, program in _remade_in_loops(sunk, target, self.shares):
       remade = sum(len(c.residuals) for c in chosen)
       yield start.way(program, analyse(program), (),
                 f"{len(chosen)} loops remaking {remade} of their residuals")
+
+
+def _remade_in_loops(sunk: _Sunk, target, shares):
+  """(choices, program) for each distinct cheapest `share` of the scan
+  residuals remade inside the backward loops."""
+  pairs = loop_rematerializations(sunk.program, sunk.liveness, target=target)
+  seen = set()
+  for share in shares if pairs else ():
+    chosen = cheapest(pairs, share)
+    key = tuple(c.residuals for c in chosen)
+    if key not in seen:
+      seen.add(key)
+      yield chosen, rematerialize_in_loops(sunk.program, chosen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,19 +159,8 @@ class LoopsRemakingStreamed:
   shares: tuple = (1.0,)
 
   def ways(self, start, sunk: _Sunk, config, target) -> Iterator[Way]:
-    pairs = loop_rematerializations(sunk.program, sunk.liveness,
-                                    target=target)
-    if not pairs:
-      return
-    seen = set()
-    for share in self.shares:
-      chosen = cheapest(pairs, share)
-      key = tuple(c.residuals for c in chosen)
-      if key in seen:
-        continue
-      seen.add(key)
-      program = _loops_unwrapped(
-          rematerialize_in_loops(sunk.program, chosen), chosen)
+    for chosen, program in _remade_in_loops(sunk, target, self.shares):
+      program = loops_unwrapped(program, chosen)
       if program is None:
         log.debug("jlms: no remade-and-streamed way: a remaking loop is "
                   "more than one scan")
@@ -177,15 +168,15 @@ class LoopsRemakingStreamed:
       liveness = analyse(program)
       residuals = find_scan_residuals(
           program, liveness, dataclasses.replace(config, swapout_threshold=2))
-      if not residuals:
-        continue
-      remade = sum(len(c.residuals) for c in chosen)
-      yield start.way(program, liveness, residuals,
-                f"{len(chosen)} loops remaking {remade} of their residuals, "
-                f"{len(residuals)} stacks streamed through host")
+      if residuals:
+        remade = sum(len(c.residuals) for c in chosen)
+        yield start.way(
+            program, liveness, residuals,
+            f"{len(chosen)} loops remaking {remade} of their residuals, "
+            f"{len(residuals)} stacks streamed through host")
 
 
-def _loops_unwrapped(program, chosen):
+def loops_unwrapped(program, chosen):
   """`program` with the loops that `rematerialize_in_loops` traced for
   `chosen` as scans of their own, not calls around one, so that
   `jlms._loops` finds their stacks; None where a call is more."""

@@ -20,7 +20,7 @@ from jlms._loop_remat import (cheapest, loop_rematerializations,
                               rematerialize_in_loops)
 from jlms._loops import find_scan_residuals
 from jlms._program import flatten
-from jlms._retrace import unwrapped_call
+from jlms._variants import loops_unwrapped
 from jlms._schedule import predict_step_time, scheduler_overlaps
 from jlms._cost import kernel_seconds
 from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
@@ -39,13 +39,7 @@ def _remade(case):
   program = flatten(jax.make_jaxpr(case.step)(*case.abstract_args()))
   liveness = analyse(program)
   chosen = cheapest(loop_rematerializations(program, liveness), 1.0)
-  remade = rematerialize_in_loops(program, chosen)
-  equations = list(remade.equations)
-  for choice in chosen:
-    for index in (choice.forward, choice.backward):
-      equations[index] = unwrapped_call(equations[index])
-      assert equations[index] is not None
-  return dataclasses.replace(remade, equations=tuple(equations))
+  return loops_unwrapped(rematerialize_in_loops(program, chosen), chosen)
 
 
 def test_a_remade_loop_stacks_its_layer_inputs_ready_at_each_iterations_start():
