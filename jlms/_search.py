@@ -64,14 +64,18 @@ CONFIRMATIONS = 3
 # it fits. A compile of a large step costs as much as jax.jit's own (30 s
 # for Gemma2-2B's plan): a plan 0.5% faster is not worth a third more
 # planning (Gemma2-2B split over the batch: 1.80 against 1.81 s predicted).
-# Where the search's compiles took at most `_CHEAP_COMPILE_S` each, any
-# faster plan is compiled (`_FASTER_BY_CHEAPLY`): the 16-block ResNet of
-# the frontier at a budget halfway to jax.jit's peak left 6% of it unused
-# after the first fit.
+# For a step of at most `_CHEAP_COMPILE_EQUATIONS` equations any faster
+# plan is compiled (`_FASTER_BY_CHEAPLY`): the 16-block ResNet of the
+# frontier (4029 equations) at a budget halfway to jax.jit's peak left 6% of
+# it unused after the first fit. The step's size decides, not how long a
+# compile took here, so that the plan does not depend on the machine's
+# load (that ResNet's compiles passed 10 s on a busy 2-core machine, and it
+# got the first plan there and the faster one elsewhere); the library
+# models, whose compiles take 20 to 40 s, have 11000 to 17000.
 _UNUSED_ROOM = 0.01
 _FASTER_BY = 0.02
 _FASTER_BY_CHEAPLY = 0.001
-_CHEAP_COMPILE_S = 10.0
+_CHEAP_COMPILE_EQUATIONS = 8000
 # Where XLA confirms, the first fit is for this share less than the budget:
 # the simulator's peak of a fitted plan falls up to 2% under XLA's on the
 # library models (Gemma2-2B split over the batch: 78.55 against 80.12 GiB
@@ -642,8 +646,8 @@ def _faster_fit(request: SearchRequest, config, chosen: _Candidate,
     return None
   # A compile is worth what it saves: a faster plan of a step whose
   # compiles take seconds is always tried.
-  faster_by = (_FASTER_BY if max(request.compile_seconds, default=0.0)
-               > _CHEAP_COMPILE_S else _FASTER_BY_CHEAPLY)
+  faster_by = (_FASTER_BY if len(request.plain.program)
+               > _CHEAP_COMPILE_EQUATIONS else _FASTER_BY_CHEAPLY)
   if (faster[2].step_time.total_s
       >= (1 - faster_by) * chosen.result.step_time.total_s):
     return None
