@@ -219,8 +219,9 @@ def predict_step_time(program: Program, liveness: Liveness,
 #: XLA's GPU scheduler: the share of the device's memory it schedules
 #: within, and the share of what is left after the program's arguments and
 #: outputs that it lets the program hold (`GetSchedulerMemoryLimit` in
-#: XLA's gpu_hlo_schedule.cc, the default `xla_gpu_memory_limit_slop_
-#: factor`; neither can be given per compile from JAX).
+#: XLA's gpu_hlo_schedule.cc; the device's size cannot be set per compile
+#: from JAX, and jlms leaves `xla_gpu_memory_limit_slop_factor`, which
+#: scales the rest, at its default).
 SCHEDULER_DEVICE_SHARE = 0.8
 SCHEDULER_SLOP = 0.95
 
