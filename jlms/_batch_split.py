@@ -61,6 +61,9 @@ _GROWS_FROM = 8
 #: A region is worth splitting when its largest cut value is at least this
 #: many times what crosses its edge.
 _WORTH = 2
+#: Primitives linear in their one operand that only move its elements: a
+#: sum's chunks go through them and are added after (`_summed_through`).
+_SUMMED_THROUGH = frozenset({"transpose", "reshape"})
 #: Seeds tried per search, the largest values first.
 _SEEDS = 16
 
@@ -149,6 +152,9 @@ def _derived(program: Program, index: int, axes: dict, length: int):
     if any(isinstance(d, int) for d in ins + outs):
       raise Unsplittable(f"{equation.readable_name()} reads a sum over "
                          "the batch and a cut value together")
+    if (equation.primitive.name in _SUMMED_THROUGH
+        and all(d == SUMMED for d in ins)):
+      return ins, [SUMMED] * len(outs)
     return ins, [AFTER] * len(outs)
   split = _rules.rule(equation.primitive).splits
   if split is None:
@@ -203,13 +209,34 @@ def _grown(program: Program, graph: _Graph, seed: int, axis: int
               and _nbytes(program.avals[atom]) >= grows_from):
             taken.add(atom)
             take(atom)
-    between = _between(program, region)
+    between = _between(program, region) + _summed_through(program, graph,
+                                                          region, axes)
     if not between:
       break
     region.update(between)
     if len(region) > max_equations:
       raise Unsplittable(f"the region passes {max_equations} equations")
   return _finished(program, graph, sorted(region), axes, length)
+
+
+def _summed_through(program: Program, graph: _Graph, region: set,
+                    axes: dict) -> list[int]:
+  """The layout equations (`_SUMMED_THROUGH`) that alone read a sum the
+  region makes: the chunks add their results instead. A weight's gradient
+  that JAX makes transposed (`dot_general`'s transpose rule, then
+  `transpose`) is then summed in the weight's own layout, and the update
+  that reads it writes in place: summed transposed, XLA fused the
+  transpose into the update and copied Llama-3.2-3B's lm_head weight and
+  both its moments to the outputs, 1.5 GiB each."""
+  found = []
+  for value, dim in list(axes.items()):
+    if dim != SUMMED or not isinstance(value, int) or value in graph.outvars:
+      continue
+    readers = [r for r in graph.readers.get(value, ()) if r not in region]
+    if readers and all(program.equations[r].primitive.name
+                       in _SUMMED_THROUGH for r in readers):
+      found.extend(readers)
+  return found
 
 
 def _between(program: Program, region: set) -> list[int]:

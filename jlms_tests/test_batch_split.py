@@ -112,6 +112,14 @@ def test_a_head_whose_gradient_is_large_is_still_worth_splitting():
   assert split.chunks > 1
   # The head's gradient counts once (its partial sum), not twice.
   assert head_bytes <= split.edge_bytes < 2 * head_bytes
+  # JAX makes that gradient transposed, (vocab, width), then transposes
+  # it: the chunks sum it in the head's own layout, so that the update
+  # reads it as it is (summed transposed, XLA copied Llama's head and its
+  # moments whole).
+  (loop,) = [e for e in split_program.equations
+             if e.primitive is _compat.scan_p]
+  handed_on = {tuple(split_program.avals[v].shape) for v in loop.outputs}
+  assert (width, vocab) in handed_on and (vocab, width) not in handed_on
   expected = _run(program, (params, tokens))
   actual = _run(split_program, (params, tokens))
   for want, got in zip(expected, actual):
