@@ -234,13 +234,13 @@ class _HostArguments:
     return lowered
 
 
-def xla_peak(jit_params, rewritten, abstract, target, donated=(),
-             host_inputs=(), fitted: bool = True) -> int:
-  """XLA's peak of `rewritten` on `target`, its `donated` leaves donated
-  as the step donates them (XLA reuses their buffers for outputs), its
-  `host_inputs` leaves taken from pinned host memory; compiled as a
-  `fitted` plan runs (`FITTED_COMPILER_OPTIONS`), or as jax.jit compiles
-  the step."""
+def xla_compiled(jit_params, rewritten, abstract, target, donated=(),
+                 host_inputs=(), fitted: bool = True):
+  """XLA's `XlaMemory` of `rewritten` on `target` (its peak and its
+  compiled program), its `donated` leaves donated as the step donates
+  them (XLA reuses their buffers for outputs), its `host_inputs` leaves
+  taken from pinned host memory; compiled as a `fitted` plan runs
+  (`FITTED_COMPILER_OPTIONS`), or as jax.jit compiles the step."""
   def program_fn(*leaves):
     return _compat.bind_jit(jit_params, rewritten,
                             placed_for(leaves, host_inputs))
@@ -248,7 +248,14 @@ def xla_peak(jit_params, rewritten, abstract, target, donated=(),
   jitted = jax.jit(program_fn, donate_argnums=donated,
                    compiler_options=options)
   return xla_memory(_HostArguments(jitted, host_inputs), *abstract,
-                    target=target).peak_bytes
+                    target=target)
+
+
+def xla_peak(jit_params, rewritten, abstract, target, donated=(),
+             host_inputs=(), fitted: bool = True) -> int:
+  """XLA's peak of `rewritten` on `target` (see `xla_compiled`)."""
+  return xla_compiled(jit_params, rewritten, abstract, target, donated,
+                      host_inputs, fitted).peak_bytes
 
 
 def knobs_applied(plain, baseline, jit_params, debug_info, out_trees,

@@ -44,6 +44,7 @@ from jlms import _compat, _rules
 from jlms._liveness import analyse
 from jlms._planner import chain_inputs, shared_kernels
 from jlms._program import Program, flatten
+from jlms._sharding import device_share
 from jlms._simulator import analyse_fusion
 
 
@@ -59,6 +60,11 @@ class GpuTarget:
   fp32_flops_per_s: float
   link_bytes_per_s: float  # host link, each direction, achieved
   link: str
+  #: GPU-to-GPU link, each direction, nominal (NVIDIA's datasheets: an
+  #: H100 SXM's NVLink 4 moves 900 GB/s both ways together), for the
+  #: collectives of a sharded step (`jlms._collectives`).
+  interconnect_bytes_per_s: float = 450e9
+  interconnect: str = "NVLink 4"
   #: Whether the fit counts on a host copy overlapping the compute between
   #: its issue and its wait. False: each copy costs its whole link time
   #: each way. On an H100 a ResNet plan whose copies came back a few
@@ -113,7 +119,9 @@ TARGETS = types.MappingProxyType({
     # about half of Gen5.
     "a100": GpuTarget("a100", 2.039e12,
                       _peaks(float32=156e12, bfloat16=312e12, float16=312e12,
-                             int8=624e12), 19.5e12, 25e9, "PCIe Gen4 x16"),
+                             int8=624e12), 19.5e12, 25e9, "PCIe Gen4 x16",
+                      interconnect_bytes_per_s=300e9,
+                      interconnect="NVLink 3"),
     # GH200: an H100 with HBM3 at 4.0 TB/s and NVLink-C2C to the Grace CPU
     # (450 GB/s each way nominal).
     "gh200": GpuTarget("gh200", 4.0e12, _HOPPER_PEAKS, 66.9e12, 350e9,
@@ -155,7 +163,7 @@ def kernel_seconds(program: Program, target: GpuTarget, fusion=None,
     at = int(executes_at[index])
     if at >= n:  # fused into the step's outputs: it runs at the end
       at = n - 1
-    work = _rules.flops(eqn)
+    work = _device_flops(eqn)
     if work:
       flops[at] += work
       dtype = eqn.invars[0].aval.dtype
@@ -200,6 +208,15 @@ def kernel_seconds(program: Program, target: GpuTarget, fusion=None,
     if extra[index] and _compat.loop_trip_count(equation.eqn) is not None:
       seconds[index] = extra[index]
   return seconds
+
+
+def _device_flops(eqn) -> float:
+  """FLOPs one device runs of a contraction: of its result's shard, where
+  the result's aval carries an explicit sharding (a batch-split matmul
+  runs a device's rows). One split along the contracted axes alone is
+  priced whole, an upper bound."""
+  work = _rules.flops(eqn)
+  return work * device_share(eqn.outvars[0].aval) if work else 0.0
 
 
 def _shape_of(atom, program: Program):
@@ -268,7 +285,7 @@ def recompute_seconds(program: Program, liveness, chain: tuple[int, ...],
   seconds = moved / (target.hbm_bytes_per_s * target.efficiency["memory"])
   for index in chain:
     eqn = program.equations[index].eqn
-    work = _rules.flops(eqn)
+    work = _device_flops(eqn)
     if work:
       kind = "conv" if _compat.is_convolution(eqn) else "matmul"
       peak = target.contraction_peak(

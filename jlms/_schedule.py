@@ -46,10 +46,16 @@ class StepTime:
   d2h_bytes: int
   h2d_bytes: int
   link: str
+  #: A sharded step, per device (`per_device`): the time its exchanges
+  #: with the other GPUs add, and the bytes they move over `interconnect`.
+  exposed_collective_s: float = 0.0
+  collective_bytes: int = 0
+  interconnect: str = ""
 
   @property
   def total_s(self) -> float:
-    return self.compute_s + self.recompute_s + self.exposed_transfer_s
+    return (self.compute_s + self.recompute_s + self.exposed_transfer_s
+            + self.exposed_collective_s)
 
   def describe(self) -> str:
     ms = lambda seconds: f"{seconds * 1e3:.3g}"
@@ -57,10 +63,42 @@ class StepTime:
     if self.recompute_s:
       text += f", recompute {ms(self.recompute_s)}"
     text += f", waiting for copies {ms(self.exposed_transfer_s)}"
+    if self.collective_bytes:
+      text += (f", waiting for other GPUs {ms(self.exposed_collective_s)}")
     if self.d2h_bytes or self.h2d_bytes:
       text += (f"; {self.d2h_bytes / 2**30:.2f} GiB to host and "
                f"{self.h2d_bytes / 2**30:.2f} GiB back over {self.link}")
+    if self.collective_bytes:
+      text += (f"; {self.collective_bytes / 2**30:.2f} GiB exchanged over "
+               f"{self.interconnect}")
     return text + ")"
+
+
+def per_device(step_time: StepTime, split: int, exchanged_bytes: int,
+               target: GpuTarget) -> StepTime:
+  """`step_time`, priced on a sharded step's jaxpr, as one of its devices
+  runs the step. Where the jaxpr's values are whole arrays (`AxisType.Auto`
+  axes: `split`, `jlms._sharding.unseen_split`, times one device's), each
+  device runs a `split`-th of every kernel and copies a `split`-th of the
+  host bytes over its own link (a data-parallel or FSDP step splits its
+  batch). It also sends and gets `exchanged_bytes` over the GPU
+  interconnect (`jlms._collectives`, read from XLA's compiled program), as
+  asynchronous collectives that XLA's scheduler runs beside the kernels:
+  hidden up to the kernels' time where it overlaps (`target.streams_hide`,
+  see `scheduler_overlaps`), waited for whole where it does not."""
+  scale = 1.0 / max(split, 1)
+  compute = step_time.compute_s * scale
+  recompute = step_time.recompute_s * scale
+  exposed = step_time.exposed_transfer_s * scale
+  exchange = exchanged_bytes / target.interconnect_bytes_per_s
+  waited = (max(0.0, exchange - compute - recompute - exposed)
+            if target.streams_hide else exchange)
+  return dataclasses.replace(
+      step_time, compute_s=compute, recompute_s=recompute,
+      exposed_transfer_s=exposed, d2h_bytes=int(step_time.d2h_bytes * scale),
+      h2d_bytes=int(step_time.h2d_bytes * scale),
+      exposed_collective_s=waited, collective_bytes=int(exchanged_bytes),
+      interconnect=target.interconnect)
 
 
 def predict_step_time(program: Program, liveness: Liveness,

@@ -30,7 +30,8 @@ from jlms import _thresholds
 from jlms._analysed import (AnalysedProgram, PlanNeeded, PlannedStep, as_is,
                             predict_times, rewrite_program,
                             rewrite_with_and_without_copies, serialized,
-                            xla_peak)
+                            xla_compiled, xla_peak)
+from jlms._collectives import collective_bytes
 from jlms._budget import BudgetError, parse_budget
 from jlms._config import SyncMode
 from jlms._cost import time_target
@@ -39,8 +40,8 @@ from jlms._liveness import aval_nbytes
 from jlms._plan import build_plan
 from jlms._options import DEVICE, SearchOptions
 from jlms._progress import Progress
-from jlms._schedule import scheduler_overlaps
-from jlms._sharding import abstract_arguments, unseen_split
+from jlms._schedule import per_device, scheduler_overlaps
+from jlms._sharding import abstract_arguments, device_count, unseen_split
 from jlms._state import HostState, host_state, state_pairs
 from jlms._tradeoff import Tradeoff, TradeoffPoint
 from jlms._units import format_bytes
@@ -159,6 +160,10 @@ class SearchRequest:
   on_gpu: bool = False  # jax's default backend is a GPU
   # Seconds of each XLA compile of the search, in order.
   compile_seconds: list = dataclasses.field(default_factory=list)
+  # Bytes one device exchanges with the others in a step, read from each
+  # XLA compile of a sharded step: by the compiled program's id, and
+  # "plain" for jax.jit's.
+  exchanged: dict = dataclasses.field(default_factory=dict)
   # Filled by `fit_budget`: where XLA confirms, the budget, the arguments.
   target: str | None = None
   budget: int | None = None
@@ -186,16 +191,40 @@ class SearchRequest:
                  self.out_trees, self.options.config, self.time, budget, xla,
                  reason)
 
-  def xla_peak(self, rewritten, host_inputs=(), fitted=True) -> int:
+  def xla_peak(self, rewritten, host_inputs=(), fitted=True,
+               key=None) -> int:
     """XLA's peak on the request's target of `rewritten`, compiled as a
     `fitted` plan runs (XLA's rematerialization off), or as jax.jit
-    compiles the step; the seconds it took go to `compile_seconds`."""
+    compiles the step; the seconds it took go to `compile_seconds`, and
+    for a sharded step what a device exchanges to `exchanged` (under
+    `key`, else the program's id)."""
     self.progress.stage(f"XLA compiling a program for {self.target}")
     start = time.perf_counter()
     peak = xla_peak(self.jit_params, rewritten, self.abstract, self.target,
                     self.donated, host_inputs, fitted)
     self.compile_seconds.append(time.perf_counter() - start)
+    devices = device_count(self.leaves)
+    if devices > 1:
+      # The same program again: XLA's compile is cached
+      # (`jlms._xla_memory`), only its lowering is paid twice.
+      memory = xla_compiled(self.jit_params, rewritten, self.abstract,
+                            self.target, self.donated, host_inputs, fitted)
+      self.exchanged[id(rewritten) if key is None else key] = (
+          collective_bytes(memory.hlo_text, devices))
     return peak
+
+  def per_device_times(self, times, program, peak_bytes, rewritten=None):
+    """`times`, a (jax.jit's, the plan's) pair of `StepTime`s priced on
+    the step's jaxpr, as one device of a sharded step runs them
+    (`jlms._schedule.per_device`; unchanged on one device)."""
+    if device_count(self.leaves) <= 1:
+      return times
+    split = unseen_split(list(self.avals), self.leaves)
+    target = self.time_for(program, peak_bytes)
+    planned = self.exchanged.get(id(rewritten), 0)
+    baseline = self.exchanged.get("plain", planned)
+    return (per_device(times[0], split, baseline, target),
+            per_device(times[1], split, planned, target))
 
 
 def fit_budget(request: SearchRequest) -> PlannedStep:
@@ -259,7 +288,8 @@ def _plain_xla_peak(request: SearchRequest, fitted: bool = False) -> int:
   rewritten, _ = rewrite_program(plain.program, plain.liveness, (),
                                  request.options.config, request.debug_info,
                                  plain.fusion)
-  return request.xla_peak(rewritten, fitted=fitted)
+  return request.xla_peak(rewritten, fitted=fitted,
+                          key=None if fitted else "plain")
 
 
 def _search_levels(request: SearchRequest, levels, plain_peak
@@ -673,7 +703,9 @@ def _planned(request: SearchRequest, config, chosen: _Candidate
                                 placed.fusion)),
       split_over_batch=placed.split_runs,
       xla_target=request.target if measured is not None else None,
-      step_times=lambda: (predict_times(times, plain)[0], result.step_time),
+      step_times=lambda: request.per_device_times(
+          (predict_times(times, plain)[0], result.step_time),
+          placed.program, measured, chosen.rewritten),
       time_target=times.name,
       state_updated_in_loops=sum(c.updated_in_loop
                                  for c in placed.state_copies))

@@ -16,6 +16,9 @@ Guarantees:
   of the arguments (or nothing is sharded); otherwise it is the largest
   factor by which an argument's sharding splits it while its aval shows the
   whole array: the factor by which jlms's sizes overstate a device's.
+- `device_share(aval)` is the share of a value one device holds (1 unless
+  its aval carries an explicit sharding), which the time model prices a
+  contraction by; `device_count(leaves)` the devices the arguments span.
 - `abstract_arguments(avals, leaves)` gives `ShapeDtypeStruct`s that keep
   each argument's sharding, so that XLA compiles (and measures) the program
   as it runs, per device.
@@ -41,6 +44,25 @@ def device_shape(aval) -> tuple[int, ...]:
     # An uneven split has no single shard shape: count the whole array, an
     # upper bound, which is the safe side for a budget.
     return shape
+
+
+def device_share(aval) -> float:
+  """The share of a value of `aval` that one device holds: its shard's
+  size over the whole's where the aval carries an explicit sharding, else
+  1."""
+  whole = math.prod(aval.shape)
+  return math.prod(device_shape(aval)) / whole if whole else 1.0
+
+
+def device_count(leaves) -> int:
+  """How many devices the step's arguments are placed on (1 where none
+  is placed, as under an outer trace)."""
+  count = 1
+  for leaf in leaves:
+    sharding = _concrete_sharding(leaf)
+    if sharding is not None:
+      count = max(count, len(sharding.device_set))
+  return count
 
 
 def _concrete_sharding(leaf):

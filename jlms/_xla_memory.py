@@ -627,7 +627,7 @@ def count_host_buffers(hlo_text: str) -> int:
     for shape, computation, in_entry, opcode_and_operands in rows:
         if _HOST_SPACE not in shape or computation in called_bodies:
             continue
-        opcode, operands = _split_operands(opcode_and_operands)
+        opcode, operands = split_operands(opcode_and_operands)
         if opcode == "parameter" and not in_entry:
             continue
         if any(_HOST_SPACE in shapes.get(operand, "") for operand in operands):
@@ -678,7 +678,7 @@ def _split_shape(text: str) -> tuple[str, str]:
     return text[: end + 1], text[end + 1 :].lstrip()
 
 
-def _split_operands(text: str) -> tuple[str, list[str]]:
+def split_operands(text: str) -> tuple[str, list[str]]:
     """`copy-start(%x, %y), metadata=...` -> "copy-start", ["x", "y"]."""
     opcode, paren, _ = text.partition("(")
     if not paren:
