@@ -175,21 +175,32 @@ class SearchRequest:
     """The time model the fit prices plans with."""
     return time_target(self.options.target)
 
-  def time_for(self, program, peak_bytes):
+  def time_for(self, program, peak_bytes, split=1):
     """The time model for `program` peaking at `peak_bytes` (None: its
     arguments and outputs alone): whether XLA's scheduler will overlap its
     streamed copies (`jlms._schedule.scheduler_overlaps`) on the request's
-    target."""
+    target. `split`: the program's sizes are that many times one
+    device's (Auto mesh axes), and `peak_bytes` one device's."""
     device = (target_memory_bytes(self.target) if self.target is not None
               else None)
+    if device is not None and split > 1:
+      device *= split
+      peak_bytes = None if peak_bytes is None else peak_bytes * split
     return dataclasses.replace(self.time, streams_hide=scheduler_overlaps(
         program, peak_bytes, device))
 
   def as_is(self, budget, xla, reason=None) -> PlannedStep:
-    """jax.jit's program, with its plan."""
-    return as_is(self.plain, self.baseline, self.jit_params, self.debug_info,
-                 self.out_trees, self.options.config, self.time, budget, xla,
-                 reason)
+    """jax.jit's program, with its plan (its times per device, for a
+    sharded step)."""
+    planned = as_is(self.plain, self.baseline, self.jit_params,
+                    self.debug_info, self.out_trees, self.options.config,
+                    self.time, budget, xla, reason)
+    whole = planned.plan.step_times
+    if device_count(self.leaves) <= 1 or whole is None:
+      return planned
+    plan = dataclasses.replace(planned.plan, step_times=lambda: (
+        self.per_device_times(whole(), self.plain.program, None, "plain")))
+    return dataclasses.replace(planned, plan=plan)
 
   def xla_peak(self, rewritten, host_inputs=(), fitted=True,
                key=None) -> int:
@@ -213,15 +224,19 @@ class SearchRequest:
           collective_bytes(memory.hlo_text, devices))
     return peak
 
-  def per_device_times(self, times, program, peak_bytes, rewritten=None):
+  def per_device_times(self, times, program, peak_bytes, compiled):
     """`times`, a (jax.jit's, the plan's) pair of `StepTime`s priced on
     the step's jaxpr, as one device of a sharded step runs them
-    (`jlms._schedule.per_device`; unchanged on one device)."""
+    (`jlms._schedule.per_device`, with what the `compiled` program, or
+    "plain", exchanges; unchanged on one device)."""
     if device_count(self.leaves) <= 1:
       return times
-    split = unseen_split(list(self.avals), self.leaves)
-    target = self.time_for(program, peak_bytes)
-    planned = self.exchanged.get(id(rewritten), 0)
+    avals = self.avals or tuple(self.plain.program.avals[v]
+                                for v in self.plain.program.invars)
+    split = unseen_split(list(avals), self.leaves)
+    target = self.time_for(program, peak_bytes, split)
+    planned = self.exchanged.get(
+        compiled if isinstance(compiled, str) else id(compiled), 0)
     baseline = self.exchanged.get("plain", planned)
     return (per_device(times[0], split, baseline, target),
             per_device(times[1], split, planned, target))
