@@ -340,13 +340,15 @@ def _causal_lm(name, model_class, config, batch, seq, dropout: bool,
                  make_args)
 
 
-def llama(size: str = "tiny", remat: bool = False) -> RealStep:
+def llama(size: str = "tiny", remat: bool = False,
+          batch: int | None = None) -> RealStep:
     """`FlaxLlamaForCausalLM` from a `LlamaConfig`, float32: tiny is 2
     layers of width 64 (4 heads, 2 key/value heads, MLP 128), vocabulary
     4096 (the embedding and the head 1 MiB each), batch 2 x sequence 256
     (attention weights 2 MiB a layer); realistic is Llama-3.2-3B's shape
     (28 layers, width 3072, 24 heads, 8 key/value heads, MLP 8192,
-    vocabulary 128256, tied embeddings) at batch 4 x sequence 2048."""
+    vocabulary 128256, tied embeddings) at batch 4 x sequence 2048.
+    `batch`: another batch (one that a mesh's devices divide)."""
     _check_size(size)
     from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
@@ -355,17 +357,17 @@ def llama(size: str = "tiny", remat: bool = False) -> RealStep:
                              intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=256)
-        batch, seq = 2, 256
+        rows, seq = 2, 256
     else:
         config = LlamaConfig(vocab_size=128256, hidden_size=3072,
                              intermediate_size=8192, num_hidden_layers=28,
                              num_attention_heads=24, num_key_value_heads=8,
                              max_position_embeddings=2048,
                              rope_theta=500000.0, tie_word_embeddings=True)
-        batch, seq = 4, 2048
+        rows, seq = 4, 2048
     from transformers.models.llama import modeling_flax_llama
     return _causal_lm(
-        f"llama-{size}", FlaxLlamaForCausalLM, config, batch, seq,
+        f"llama-{size}", FlaxLlamaForCausalLM, config, batch or rows, seq,
         dropout=False,
         remat_layer=((modeling_flax_llama, "FlaxLlamaDecoderLayer")
                      if remat else None))

@@ -14,6 +14,15 @@ set, and reads what it prints or writes.
         jax.jit's, how many values were offloaded, how many devices the
         outputs span and how many of them are split.
 
+    python -m jlms_tests._sharded_worker llama
+        The tiny `FlaxLlamaForCausalLM` of `benchmarks.real_models` (AdamW),
+        its batch and every state leaf split over all CPU devices
+        (FSDP-style, an Auto axis), three steps under jax.jit and under
+        `jlms.offload(budget="min")`, which keeps the state on host. Prints
+        one JSON object: the largest relative error over the steps' states
+        and losses, the plan's state leaves on host and offloaded values,
+        and how many devices the outputs span.
+
     python -m jlms_tests._sharded_worker step --out FILE
         [--coordinator HOST:PORT --num-processes N --process-id I]
         One data-parallel step under jlms.offload over all devices of all
@@ -131,6 +140,49 @@ def layouts() -> dict:
   }
 
 
+def _host(leaf):
+  if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    leaf = jax.random.key_data(leaf)
+  return np.asarray(leaf)
+
+
+def _three_steps(real, stepper, args, place: bool) -> list:
+  """Host copies of the states and losses of three steps of `stepper`,
+  each fed the last one's state."""
+  if place:  # the state a plan keeps on host goes there once
+    args = stepper.place(*args)
+  outputs = []
+  for _ in range(3):
+    out = stepper(*args)
+    outputs.append(jax.tree.map(_host, out))
+    args = real.next_args(args, out)
+  return outputs
+
+
+def llama() -> dict:
+  from benchmarks.real_models import REAL_MODELS
+  devices = jax.devices()
+  real = REAL_MODELS["llama"]("tiny", batch=len(devices))
+  mesh = mesh_of(devices, AxisType.Auto)
+
+  def fresh():  # the steps donate their state
+    return shard_step_args(real.make_args(), mesh, batch_args=1, fsdp=True)
+
+  expected = _three_steps(real, real.jitted(), fresh(), place=False)
+  step = real.offload(budget="min")
+  plan = step.plan(*fresh())
+  actual = _three_steps(real, step, fresh(), place=True)
+  last = jax.tree.leaves(step(*step.place(*fresh())))
+  return {
+      "devices": len(devices),
+      "error": max(max_relative_error(a, e)
+                   for a, e in zip(actual, expected)),
+      "state_leaves": plan.state_leaves,
+      "offloaded": len(plan.offloaded),
+      "output_devices": max(len(leaf.sharding.device_set) for leaf in last),
+  }
+
+
 def _global(value, sharding):
   """A global array from the full value every process holds."""
   value = np.asarray(value)
@@ -158,14 +210,14 @@ def step(out: str) -> None:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("mode", choices=("layouts", "step"))
+  parser.add_argument("mode", choices=("layouts", "llama", "step"))
   parser.add_argument("--out")
   parser.add_argument("--coordinator")
   parser.add_argument("--num-processes", type=int, default=1)
   parser.add_argument("--process-id", type=int, default=0)
   options = parser.parse_args(argv)
-  if options.mode == "layouts":
-    print(json.dumps(layouts()))
+  if options.mode in ("layouts", "llama"):
+    print(json.dumps(layouts() if options.mode == "layouts" else llama()))
     return
   if options.coordinator:
     jax.distributed.initialize(coordinator_address=options.coordinator,

@@ -98,6 +98,19 @@ def test_fsdp_outputs_stay_sharded(eight_device_layouts):
   assert eight_device_layouts["data_parallel_explicit"]["sharded_outputs"] == 0
 
 
+@pytest.mark.slow
+def test_a_tiny_llama_with_state_on_host_equals_jax_jit_on_eight_devices():
+  # Transformers' Flax Llama, FSDP-style over eight CPU devices, the plan
+  # of the least memory (the state on host, each device's shards in its
+  # own host memory): three steps equal jax.jit's.
+  pytest.importorskip("transformers")
+  result = json.loads(_finish(_worker(["llama"], devices=8)))
+  assert result["devices"] == 8
+  assert result["state_leaves"] > 0 and result["offloaded"] > 0
+  assert result["error"] <= F32_TOLERANCE
+  assert result["output_devices"] == 8
+
+
 # --- two processes through jax.distributed, as one process ----------------
 
 
