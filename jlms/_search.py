@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Any
 
@@ -314,6 +315,7 @@ def _search_levels(request: SearchRequest, levels, plain_peak
   it), until one fits; the budget's error if none does."""
   budget = request.budget
   refused_for_host = None
+  host_needed = None  # a placement refused for host memory alone
   for number, plain in enumerate(levels):
     last = number == len(levels) - 1
     try:
@@ -327,7 +329,11 @@ def _search_levels(request: SearchRequest, levels, plain_peak
         if (refused_for_host is None
             or error.host_bytes < refused_for_host.host_bytes):
           refused_for_host = error
+        if host_needed is None:
+          host_needed = _host_needed(request, plain, plain_peak)
       if last:
+        if host_needed is not None:
+          raise _short_of_host(request, host_needed, error) from None
         if refused_for_host is not None and hasattr(error, "host_bytes"):
           raise refused_for_host from None
         raise
@@ -449,6 +455,52 @@ def _rewritten(request: SearchRequest, config, fitted) -> _Candidate:
       serialized=serialized(placed.program, placed.liveness, config,
                             placed.fusion))
   return _Candidate(placed, residuals, result, rewritten, without_copies)
+
+
+#: A host budget no plan reaches: `_host_needed`'s search.
+_UNBOUNDED_HOST = 1 << 60
+
+
+def _host_needed(request: SearchRequest, plain, plain_peak) -> int | None:
+  """The pinned host memory that the plan of the state's placement `plain`
+  holds at once where the host budget is no limit, or None where even
+  then the device's budget is not met. A placement refused for the host
+  alone may not fit the device either (a 65B GPT on eight H100s: the
+  first placement refused at XLA's default pool asked for 160 GiB, and at
+  160 GiB its device peak did not fit, nor the next one's at 320 GiB);
+  what fits is what to ask the user for."""
+  unbounded = dataclasses.replace(
+      request, plain=plain, options=dataclasses.replace(
+          request.options, host_budget=_UNBOUNDED_HOST))
+  log.info("jlms: searching this placement of the state again with no "
+           "limit on host memory, to say how much it needs")
+  try:
+    planned = _search_budget(unbounded, plain_peak,
+                             ask_xla_when_refused=True)
+  except BudgetError:
+    return None
+  return planned.plan.predicted_host_bytes
+
+
+def _short_of_host(request: SearchRequest, needed: int,
+                   error: BudgetError) -> BudgetError:
+  """The budget's error where a plan fits the device with `needed` bytes
+  of pinned host memory, more than the host budget."""
+  host_budget = request.options.host_budget_bytes(
+      confirm_target(request.options, on_gpu=request.on_gpu) == "local")
+  fits = ("of the least memory" if request.budget is None
+          else f"that fits {format_bytes(request.budget)}")
+  short = BudgetError(
+      f"jlms: the plan {fits} holds "
+      f"{format_bytes(needed)} of pinned host memory at once (the state "
+      f"kept on host and the values copied there), above the host budget "
+      f"of {format_bytes(host_budget)}: set "
+      f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={math.ceil(needed / (1 << 30))} "
+      f"(XLA's pinned pool, 64 GB unless set) or pass host_budget=, on a "
+      f"machine with that much free memory")
+  short.smallest_bytes = getattr(error, "smallest_bytes", None)
+  short.host_bytes = needed
+  return short
 
 
 def _search_budget(request: SearchRequest, plain_peak,

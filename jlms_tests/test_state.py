@@ -24,6 +24,7 @@ from jlms._liveness import analyse
 from jlms._config import OffloadConfig
 from jlms._program import flatten
 from jlms._rewrite import rewrite
+from jlms._units import format_bytes
 from jlms._xla_memory import hlo_computations
 
 from benchmarks import models
@@ -438,6 +439,44 @@ def test_state_above_the_host_budget_is_refused_before_running():
                      match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"):
     offload("64KiB").plan(*abstract)
   assert offload("1GiB").plan(*abstract).state_host_bytes == 6 * 64 * 64 * 4
+
+
+def test_a_host_budget_refused_names_the_host_memory_of_a_plan_that_fits():
+  # A four-layer MLP's Adam step at a budget near its least memory: the
+  # placements of the state that put less of it on host do not fit the
+  # device, so the first one refused for the host alone (256 KiB) is not
+  # the one to ask for; the error names what the plan that fits holds,
+  # and with that host budget the step plans.
+  tx = optax.adam(1e-2)
+
+  def step(params, opt_state, x):
+    def loss_fn(params):
+      h = x
+      for name in sorted(params):
+        h = jnp.tanh(h @ params[name])
+      return jnp.mean(h ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  params = {f"w{i}": jax.ShapeDtypeStruct((256, 256), jnp.float32)
+            for i in range(4)}
+  abstract = (params, jax.eval_shape(tx.init, params),
+              jax.ShapeDtypeStruct((64, 256), jnp.float32))
+  least = jlms.offload(step, donate_argnums=(0, 1), budget="min",
+                       state_on_host=True, min_bytes=1 << 14).plan(*abstract)
+  budget = int(least.predicted_peak_bytes * 1.05)
+  offload = lambda host_budget: jlms.offload(
+      step, donate_argnums=(0, 1), budget=budget, host_budget=host_budget,
+      min_bytes=1 << 14)
+  with pytest.raises(jlms.BudgetError,
+                     match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB") as refused:
+    offload("64KiB").plan(*abstract)
+  needed = refused.value.host_bytes
+  assert format_bytes(needed) in str(refused.value)
+  plan = offload(needed).plan(*abstract)
+  assert plan.predicted_peak_bytes <= budget
+  assert plan.predicted_host_bytes <= needed
 
 
 @pytest.mark.slow
