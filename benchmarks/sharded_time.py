@@ -1,7 +1,7 @@
 """A sharded step's time per device: jlms's prediction against the schedule
 model of XLA's compiled program, on eight H100s compiled without a GPU.
 
-    python -m benchmarks.sharded_time [--sizes small 6.45b] [--json PATH]
+    python -m benchmarks.sharded_time [--sizes small 6.45b 65b] [--json PATH]
 
 Each GPT decoder of `SIZES` (`benchmarks.models.zoo_gpt_case`: layers
 under one `nn.scan`, AdamW, float32) with its global batch split over the
@@ -57,7 +57,15 @@ SIZES = {
                  vocab=32768),
     "6.45b": dict(seq=1024, batch_size=64, layers=32, width=4096, heads=32,
                   vocab=32768),
+    # Llama-3-70B's depth, width and vocabulary (its MLP is wider, 28672
+    # with three matrices): 65.5B parameters, 0.98 TiB of state.
+    "65b": dict(seq=4096, batch_size=8, layers=80, width=8192, heads=64,
+                vocab=128256),
 }
+
+#: jlms's host budget by size, where XLA's default pinned pool is too
+#: small: the pool of one process driving the eight GPUs of a 2 TiB node.
+HOST_BUDGETS = {"65b": "1500GiB"}
 
 
 def _row(size: str, config: str, step, args, yardstick, seconds) -> dict:
@@ -97,6 +105,8 @@ def measure(size: str, configs, yardstick) -> list[dict]:
       if jit_peak is None:
         raise ValueError("the 'half' row needs the 'jit' row before it")
       options["budget"] = int(jit_peak * GIB / 2)
+    if size in HOST_BUDGETS:
+      options["host_budget"] = HOST_BUDGETS[size]
     step = jlms.offload(case.step, donate_argnums=(0, 1), target=TARGET,
                         **options)
     plan = step.plan(*args)
