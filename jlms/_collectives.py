@@ -16,7 +16,11 @@ trip: an all-gather the part of its result it receives (result less
 operand), a reduce-scatter the part of its operand it sends (operand less
 result), an all-reduce twice its operand's `(devices - 1) / devices` (a
 ring's reduce-scatter then all-gather), an all-to-all that share of its
-operand, a collective-permute its operand. Pure: a function of the text.
+operand, a collective-permute its operand; a call's computation is
+walked, and a conditional's costliest branch. An all-reduce or all-to-all
+over a group smaller than all the devices is counted as over all of them
+(at most (n - 1) / n against (g - 1) / g: 1.75x its bytes for groups of
+two on eight devices). Pure: a function of the text.
 """
 
 from __future__ import annotations
@@ -27,28 +31,35 @@ import numpy as np
 
 from jlms._xla_memory import hlo_computations, split_operands
 
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn|fnuz)?)?)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _BODY = re.compile(r"\bbody=%([\w.\-]+)")
+_CALLED = re.compile(r"\bto_apply=%([\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_NAMES = re.compile(r"%([\w.\-]+)")
 _KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
           "collective-permute")
 
 
 def _shape_bytes(shape: str) -> int:
   """Bytes of every array in an HLO shape (a tuple's, summed)."""
-  total = 0
+  total = 0.0
   for dtype, dims in _ARRAY.findall(shape):
-    try:
-      itemsize = _ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize
-    except TypeError:
+    if dtype in _ITEMSIZE:
+      itemsize = _ITEMSIZE[dtype]
+    elif dtype.startswith("f8"):  # every float8 variant
+      itemsize = 1
+    else:
       continue  # token[], opaque types
     total += itemsize * int(np.prod([int(d) for d in dims.split(",") if d]))
-  return total
+  return int(total)
 
 
 _ITEMSIZE = {"pred": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s8": 1,
              "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8,
-             "u64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+             "u64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
+             "s2": 0.25, "u2": 0.25, "s1": 0.125, "u1": 0.125,
+             "f4e2m1fn": 0.5}
 
 
 def _kind(opcode: str) -> str | None:
@@ -78,6 +89,15 @@ def collective_bytes(hlo_text: str, devices: int) -> int:
         if body and body.group(1) in computations and body.group(1) not in seen:
           moved += (int(trips.group(1)) if trips else 1) * walk(
               computations[body.group(1)], seen + (body.group(1),))
+        continue
+      if opcode in ("call", "conditional"):
+        # A call runs its computation; a conditional one of its branches,
+        # taken here as the one that moves the most.
+        called, branches = _CALLED.search(rest), _BRANCHES.search(rest)
+        callees = ([called.group(1)] if called else
+                   _NAMES.findall(branches.group(1)) if branches else [])
+        moved += max((walk(computations[c], seen + (c,)) for c in callees
+                       if c in computations and c not in seen), default=0.0)
         continue
       kind = _kind(opcode)
       if kind is None:

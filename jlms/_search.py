@@ -176,17 +176,26 @@ class SearchRequest:
     """The time model the fit prices plans with."""
     return time_target(self.options.target)
 
-  def time_for(self, program, peak_bytes, split=1):
+  @property
+  def split(self) -> int:
+    """How many times one device's bytes the step's jaxpr sizes are: the
+    arguments' split under Auto mesh axes, else 1."""
+    if device_count(self.leaves) <= 1:
+      return 1
+    avals = self.avals or tuple(self.plain.program.avals[v]
+                                for v in self.plain.program.invars)
+    return unseen_split(list(avals), self.leaves)
+
+  def time_for(self, program, peak_bytes):
     """The time model for `program` peaking at `peak_bytes` (None: its
-    arguments and outputs alone): whether XLA's scheduler will overlap its
-    streamed copies (`jlms._schedule.scheduler_overlaps`) on the request's
-    target. `split`: the program's sizes are that many times one
-    device's (Auto mesh axes), and `peak_bytes` one device's."""
+    arguments and outputs alone), both in the jaxpr's sizes: whether
+    XLA's scheduler will overlap its streamed copies
+    (`jlms._schedule.scheduler_overlaps`) on the request's target, whose
+    memory counts `split` times where the sizes are the whole step's."""
     device = (target_memory_bytes(self.target) if self.target is not None
               else None)
-    if device is not None and split > 1:
-      device *= split
-      peak_bytes = None if peak_bytes is None else peak_bytes * split
+    if device is not None:
+      device *= self.split
     return dataclasses.replace(self.time, streams_hide=scheduler_overlaps(
         program, peak_bytes, device))
 
@@ -212,17 +221,17 @@ class SearchRequest:
     `key`, else the program's id)."""
     self.progress.stage(f"XLA compiling a program for {self.target}")
     start = time.perf_counter()
-    peak = xla_peak(self.jit_params, rewritten, self.abstract, self.target,
-                    self.donated, host_inputs, fitted)
-    self.compile_seconds.append(time.perf_counter() - start)
     devices = device_count(self.leaves)
-    if devices > 1:
-      # The same program again: XLA's compile is cached
-      # (`jlms._xla_memory`), only its lowering is paid twice.
+    if devices > 1:  # what the devices exchange, from the same compile
       memory = xla_compiled(self.jit_params, rewritten, self.abstract,
                             self.target, self.donated, host_inputs, fitted)
       self.exchanged[id(rewritten) if key is None else key] = (
           collective_bytes(memory.hlo_text, devices))
+      peak = memory.peak_bytes
+    else:
+      peak = xla_peak(self.jit_params, rewritten, self.abstract,
+                      self.target, self.donated, host_inputs, fitted)
+    self.compile_seconds.append(time.perf_counter() - start)
     return peak
 
   def per_device_times(self, times, program, peak_bytes, compiled):
@@ -232,10 +241,9 @@ class SearchRequest:
     "plain", exchanges; unchanged on one device)."""
     if device_count(self.leaves) <= 1:
       return times
-    avals = self.avals or tuple(self.plain.program.avals[v]
-                                for v in self.plain.program.invars)
-    split = unseen_split(list(avals), self.leaves)
-    target = self.time_for(program, peak_bytes, split)
+    split = self.split
+    target = self.time_for(  # XLA's peak is one device's
+        program, None if peak_bytes is None else peak_bytes * split)
     planned = self.exchanged.get(
         compiled if isinstance(compiled, str) else id(compiled), 0)
     baseline = self.exchanged.get("plain", planned)
@@ -315,7 +323,7 @@ def _search_levels(request: SearchRequest, levels, plain_peak
   it), until one fits; the budget's error if none does."""
   budget = request.budget
   refused_for_host = None
-  host_needed = None  # a placement refused for host memory alone
+  host_refused = []  # placements refused for host memory alone
   for number, plain in enumerate(levels):
     last = number == len(levels) - 1
     try:
@@ -329,11 +337,14 @@ def _search_levels(request: SearchRequest, levels, plain_peak
         if (refused_for_host is None
             or error.host_bytes < refused_for_host.host_bytes):
           refused_for_host = error
-        if host_needed is None:
-          host_needed = _host_needed(request, plain, plain_peak)
+        host_refused.append(plain)
       if last:
-        if host_needed is not None:
-          raise _short_of_host(request, host_needed, error) from None
+        # Nothing fits: the first placement refused for host memory whose
+        # plan fits the device with no host limit says what to ask for.
+        for refused in host_refused:
+          needed = _host_needed(request, refused, plain_peak)
+          if needed is not None:
+            raise _short_of_host(request, needed, error) from None
         if refused_for_host is not None and hasattr(error, "host_bytes"):
           raise refused_for_host from None
         raise
@@ -478,6 +489,12 @@ def _host_needed(request: SearchRequest, plain, plain_peak) -> int | None:
     planned = _search_budget(unbounded, plain_peak,
                              ask_xla_when_refused=True)
   except BudgetError:
+    return None
+  except DevicelessUnavailableError:
+    raise
+  except Exception as error:  # noqa: BLE001 -- no figure from this one
+    log.debug("jlms: no plan of this placement with no host limit (%s: "
+              "%s)", type(error).__name__, error)
     return None
   return planned.plan.predicted_host_bytes
 

@@ -27,7 +27,14 @@ HloModule m, is_scheduled=true
   ROOT %t = (s32[], f32[2,4]{1,0}) tuple(%i, %rs)
 }
 
-ENTRY %main (a: f32[2,4], b: f32[8]) -> f32[8] {
+%gathered (q: u4[2,4]) -> u4[16,4] {
+  %q = u4[2,4]{1,0} parameter(0)
+  ROOT %g = u4[16,4]{1,0} all-gather(%q), replica_groups=[1,8]<=[8], dimensions={0}
+}
+
+ENTRY %main (a: f32[2,4], b: f32[8], c: u4[2,4]) -> f32[8] {
+  %c = u4[2,4]{1,0} parameter(2)
+  %cg = u4[16,4]{1,0} call(%c), to_apply=%gathered
   %a = f32[2,4]{1,0} parameter(0)
   %b = f32[8]{0} parameter(1)
   %z = s32[] constant(0)
@@ -42,10 +49,12 @@ ENTRY %main (a: f32[2,4], b: f32[8]) -> f32[8] {
 def test_collective_bytes_are_what_one_device_sends_and_gets():
   # Per trip of the loop: the all-gather brings in 14 of its 16 rows, the
   # reduce-scatter sends 14 of them; the all-reduce sends and gets 7/8 of
-  # its 32 bytes twice.
+  # its 32 bytes twice; the called computation's all-gather brings in 14
+  # rows of four 4-bit words.
   row = 4 * 4
   per_trip = 14 * row + 14 * row
-  assert collective_bytes(_HLO, 8) == 3 * per_trip + int(2 * 32 * 7 / 8)
+  assert collective_bytes(_HLO, 8) == (3 * per_trip + int(2 * 32 * 7 / 8)
+                                       + 14 * 2)
   assert collective_bytes(_HLO, 1) == 0
 
 
