@@ -36,6 +36,15 @@ class BudgetError(ValueError):
   smallest_bytes: int | None = None
 
 
+def host_pool_advice(needed_bytes: int) -> str:
+  """What to do when a plan needs `needed_bytes` of pinned host memory at
+  once, more than the host budget: the pool size to set, in whole GiB."""
+  needed_gb = -(-needed_bytes // (1 << 30))
+  return (f"set {HOST_POOL_VARIABLE}={needed_gb} (XLA's pinned pool, "
+          f"{DEFAULT_HOST_POOL_GB} GB unless set) or pass host_budget=, on a "
+          f"machine with that much free memory")
+
+
 def parse_budget(budget, device_bytes=None) -> int:
   """Bytes of `budget`: an int of bytes, a size such as "20GiB" or "512 MB",
   or a percentage such as "90%" of `device_bytes` (a callable giving the

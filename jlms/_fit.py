@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 
 import numpy as np
@@ -61,7 +60,7 @@ from jlms._schedule import StepTime, predict_step_time
 from jlms._simulator import (Fusion, MemoryTimeline, analyse_fusion,
                              simulate, step_constants)
 from jlms._config import SyncMode
-from jlms._budget import BudgetError
+from jlms._budget import BudgetError, host_pool_advice
 
 log = logging.getLogger("jlms")
 
@@ -289,15 +288,12 @@ def fit(program: Program, liveness: Liveness, budget_bytes: int | None,
   baseline = problem.simulate(())
   if (host_budget_bytes is not None
       and baseline.host_peak_bytes > host_budget_bytes):
-    needed_gb = math.ceil(baseline.host_peak_bytes / (1 << 30))
     error = BudgetError(
         f"jlms: the state kept on host and the scan residuals streamed "
         f"through host take {format_bytes(baseline.host_peak_bytes)} of "
         f"pinned host memory at once, above the host budget of "
-        f"{format_bytes(host_budget_bytes)}: set "
-        f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={needed_gb} (XLA's pinned pool, "
-        f"64 GB unless set) or pass host_budget=, on a machine with that "
-        f"much free memory")
+        f"{format_bytes(host_budget_bytes)}: "
+        f"{host_pool_advice(baseline.host_peak_bytes)}")
     error.smallest_bytes = baseline.peak_bytes
     error.host_bytes = baseline.host_peak_bytes  # the host is what failed
     raise error

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from typing import Any
 
@@ -33,7 +32,7 @@ from jlms._analysed import (AnalysedProgram, PlanNeeded, PlannedStep, as_is,
                             rewrite_with_and_without_copies, serialized,
                             xla_compiled, xla_peak)
 from jlms._collectives import collective_bytes
-from jlms._budget import BudgetError, parse_budget
+from jlms._budget import BudgetError, host_pool_advice, parse_budget
 from jlms._config import SyncMode
 from jlms._cost import time_target
 from jlms._fit import fit
@@ -511,10 +510,7 @@ def _short_of_host(request: SearchRequest, needed: int,
       f"jlms: the plan {fits} holds "
       f"{format_bytes(needed)} of pinned host memory at once (the state "
       f"kept on host and the values copied there), above the host budget "
-      f"of {format_bytes(host_budget)}: set "
-      f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={math.ceil(needed / (1 << 30))} "
-      f"(XLA's pinned pool, 64 GB unless set) or pass host_budget=, on a "
-      f"machine with that much free memory")
+      f"of {format_bytes(host_budget)}: {host_pool_advice(needed)}")
   short.smallest_bytes = getattr(error, "smallest_bytes", None)
   short.host_bytes = needed
   return short
@@ -534,7 +530,7 @@ def _search_budget(request: SearchRequest, plain_peak,
     # the simulator puts just under it is not compiled over it, then
     # fitted and compiled again.
     searched = int(budget * (1 - _MARGIN))
-  unseen = unseen_split(list(request.avals), request.leaves)
+  unseen = request.split
   if unseen > 1 and budget is not None:
     # Auto mesh axes: the simulator sizes whole arrays, XLA and the budget
     # one device's shards. Scale the budget by XLA's ratio of the two for
