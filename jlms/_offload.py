@@ -289,7 +289,10 @@ class OffloadedStep:
     """The `jax.stages.Lowered` of the program that runs: the rewritten
     one, or jax.jit's where jlms failed. State kept on host is taken from
     pinned host memory, as on a GPU, even from abstract arguments of
-    compile-only devices (which carry no memory kind)."""
+    compile-only devices (which carry no memory kind). Call its compiled
+    program on the arguments `place` gives: JAX (0.10 to 0.12) aborts the
+    process when a compiled program that donates a pinned-host argument
+    is called a second time with that argument in device memory."""
     program = self._program_for(args, kwargs)
     if program is self._jitted_fitted:
       analysis = self._analysis(args, kwargs)[0]

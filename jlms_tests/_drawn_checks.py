@@ -84,6 +84,13 @@ def run_on_cpu(drawn, stepper, steps_run=3, options=None):
   `drawn.fn`), each fed the last one's state, as host copies, compiled
   with `options` (`_CPU_COMPILE_OPTIONS` when None)."""
   args, kwargs = drawn.make_args()
+  place = getattr(stepper, "place", None)  # jax.jit's steps have none
+  if place is not None:
+    # As a user of the compiled program must: JAX 0.10 to 0.12 abort the
+    # process when a compiled program that donates a pinned-host argument
+    # is called again with that argument in device memory.
+    args, kwargs = (place(*args, **kwargs) if kwargs
+                    else (place(*args), kwargs))
   compiled = _compiled(stepper.lower(*args, **kwargs),
                        _CPU_COMPILE_OPTIONS if options is None else options)
   outputs = []

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jlms
-from jlms import _search
+from jlms import _search, _thresholds
 from jlms._units import format_bytes
 from jlms_tests import _drawn_checks as checks
 from jlms_tests._step_strategies import StepSpec, build
@@ -125,3 +125,23 @@ def test_a_sensitive_bfloat16_step_agrees_within_jax_jits_own_rounding(
   checks.assert_outputs_agree(
       drawn, checks.run_on_cpu(drawn, stepper),
       checks.jit_outputs(drawn), plan)
+
+
+def test_a_compiled_step_keeping_state_on_host_runs_again_and_again():
+  # From the long profile of (d): a donating step whose plan keeps state on
+  # host, its compiled program called on every draw that gave the same
+  # program. JAX 0.10 to 0.12 abort the whole process (PjRt: "memory kind
+  # does not match") when such a program is called a second time with
+  # the state in device memory; the arguments are placed where the step
+  # takes them (`step.place`), as the `lower` docstring tells users.
+  drawn = build(StepSpec(family="conv", layout="lax_scan", depth=3, width=16,
+                         dropout=True, cond=True, donate=True))
+  with _thresholds.overridden(**_thresholds.EVERY_SIZE):
+    step = drawn.offload(budget="min", sync_mode=2, min_bytes=64,
+                         scan_residuals=True)
+    args, kwargs = drawn.abstract_args()
+    assert step.plan(*args, **kwargs).state_leaves > 0
+    expected = checks.jit_outputs(drawn)
+    for _ in range(2):
+      checks.assert_outputs_agree(drawn, checks.run_on_cpu(drawn, step),
+                                  expected, step.plan(*args, **kwargs))
