@@ -5,6 +5,7 @@ pinned host memory between their forward and backward uses; `jlms.xla_memory`
 measures what XLA's GPU compiler makes of it, with or without a GPU.
 """
 
+from jlms._arguments import on_device as on_device
 from jlms._compat import UnsupportedJaxError as UnsupportedJaxError
 from jlms._config import OffloadConfig as OffloadConfig
 from jlms._config import SyncMode as SyncMode

@@ -168,10 +168,21 @@ def with_state_on_device(tree, abstract: bool = True):
     return jax.tree.unflatten(treedef, traceable(leaves))
   return jax.tree.unflatten(treedef, [
       jax.device_put(x, x.sharding.with_memory_kind("device"))
-      if _in_pinned_host(x) else x for x in leaves])
+      if in_pinned_host(x) else x for x in leaves])
 
 
-def _in_pinned_host(leaf) -> bool:
+def on_device(tree):
+  """`tree` with each array in pinned host memory (state that a jlms plan
+  keeps on host, as its step returns it) copied to device memory, on the
+  same devices with the same sharding; other leaves as they are. For
+  evaluating, checkpointing or training that state with code other than
+  the `jlms.offload` step that returned it: `jax.jit` programs compute on
+  device memory ("memory_space of all inputs ... must be the same")."""
+  return with_state_on_device(tree, abstract=False)
+
+
+def in_pinned_host(leaf) -> bool:
+  """Whether `leaf` is a concrete array in pinned host memory."""
   return (isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
           and leaf.sharding.memory_kind == "pinned_host")
 
@@ -181,7 +192,7 @@ def traceable(leaves) -> list:
   as abstract arrays on the device (a step computes on its arguments; jlms
   places its state itself, `jlms._state`)."""
   def on_device(leaf):
-    if not _in_pinned_host(leaf):
+    if not in_pinned_host(leaf):
       return leaf
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                 sharding=leaf.sharding.with_memory_kind(

@@ -27,7 +27,8 @@ import jax
 from jlms import _compat
 from jlms._analysed import PlannedStep, placed_for
 from jlms._arguments import (SplitArguments, committed_where_they_are,
-                             complete_argnums, with_state_on_device)
+                             complete_argnums, in_pinned_host, on_device,
+                             with_state_on_device)
 from jlms._config import OffloadConfig, SyncMode
 from jlms._cost import time_target
 from jlms._fallback import (OffloadError, describe,
@@ -46,8 +47,12 @@ log = logging.getLogger("jlms")
 
 
 class StateOnDeviceWarning(UserWarning):
-  """State that jlms keeps in pinned host memory arrived on the device:
-  the step copies it to host first. `OffloadedStep.place` puts it there."""
+  """The state arrived in another memory than the step's plan takes it
+  from: state that the plan keeps in pinned host memory arrived on the
+  device, or state that another plan returned on host arrived where this
+  plan takes it on the device. The step copies it first, at the cost the
+  warning names. `OffloadedStep.place` puts it where the step takes it;
+  `jlms.on_device` brings state on host back to the device."""
 
   __module__ = "jlms"  # tracebacks and reprs show the public name
 
@@ -205,31 +210,61 @@ class OffloadedStep:
     return key
 
   def _state_placed(self, args, kwargs):
-    """The call's arguments with the state that the plan keeps on host in
-    pinned host memory: state that arrives on the device is copied there
-    first (by `place`; the caller's arrays stay valid), with one warning
-    per signature that says what it costs."""
-    if not self._may_keep_state_on_host():
-      return args, kwargs
+    """The call's arguments in the memory that the program for them takes
+    them from (`place`): the state that the plan keeps on host in pinned
+    host memory, everything else on the device. Arguments that arrive
+    elsewhere are copied first (the caller's arrays stay valid), with one
+    warning per signature that says what it costs: state arriving on the
+    device, or state that another plan (another batch's shape, another
+    `jlms.offload` of the step) returned on host where this plan keeps it
+    on the device. Not left to JAX: a compiled program that donates an
+    argument aborts the whole process when the argument is in another
+    memory than it was compiled for (JAX 0.10 to 0.12)."""
     leaves = self._split(args, kwargs).leaves
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
       return args, kwargs  # under an outer trace: `_rewritten` copies
-    analysis = self._analysis(args, kwargs)[0]
-    if analysis.failure is not None or not analysis.state:
+    if not self._may_keep_state_on_host() and not any(
+        in_pinned_host(x) for x in leaves):
       return args, kwargs
-    if self._has_fallen_back(args, kwargs):
+    analysis = self._analysis(args, kwargs)[0]
+    if analysis.failure is not None or self._has_fallen_back(args, kwargs):
       return args, kwargs  # jax.jit's program runs, with the state on device
-    arrived = [leaves[i] for i in analysis.state.inputs
-               if isinstance(leaves[i], jax.Array)
-               and leaves[i].sharding.memory_kind != "pinned_host"]
-    if not arrived:
+    to_host, to_device = self._misplaced(leaves, analysis)
+    if not to_host and not to_device:
       return args, kwargs
     key = self._signature(args, kwargs)
     if key not in self._warned_state:
       self._warned_state.add(key)
-      self._warn_state_on_device(analysis, arrived)
+      if to_host:
+        self._warn_state_on_device(analysis, [leaves[i] for i in to_host])
+      if to_device:
+        self._warn_state_on_host([leaves[i] for i in to_device])
     placed = self.place(*args, **kwargs)
     return (placed, {}) if not kwargs else placed
+
+  @staticmethod
+  def _misplaced(leaves, analysis) -> tuple[list[int], list[int]]:
+    """Positions of the leaves to copy to pinned host memory (state the
+    plan keeps there, arriving on the device) and to the device (arrays in
+    pinned host memory that the plan takes on the device)."""
+    kept = set(analysis.state.inputs) if analysis.failure is None else set()
+    to_host = [i for i in sorted(kept) if isinstance(leaves[i], jax.Array)
+               and leaves[i].sharding.memory_kind != "pinned_host"]
+    to_device = [i for i, x in enumerate(leaves)
+                 if i not in kept and in_pinned_host(x)]
+    return to_host, to_device
+
+  def _warn_state_on_host(self, arrived) -> None:
+    size = sum(x.nbytes for x in arrived)
+    target = time_target(self.target)
+    warnings.warn(
+        f"jlms.offload({self._name}): {len(arrived)} arguments "
+        f"({format_bytes(size)}) arrived in pinned host memory, where this "
+        f"plan takes them on the device (another plan, for other shapes or "
+        f"another budget, returned them on host): they are copied to the "
+        f"device first (about {1e3 * target.transfer_seconds(size):.3g} ms "
+        f"over {target.link} on {target.name}). `jlms.on_device(tree)` "
+        "copies such state back once", StateOnDeviceWarning, stacklevel=4)
 
   def _warn_state_on_device(self, analysis, arrived) -> None:
     size = sum(x.nbytes for x in arrived)
@@ -333,21 +368,21 @@ class OffloadedStep:
     with each leaf in the memory the step takes it
     from: the state that the plan keeps on host copied to pinned host
     memory (by one jitted copy per leaf's device set, far faster than
-    `jax.device_put` to host outside jit), everything else as it is. Call
-    it once before the first step; the step returns the state where it
-    takes it."""
+    `jax.device_put` to host outside jit), any other array in pinned host
+    memory copied to the device, everything else as it is. Call it once
+    before the first step; the step returns the state where it takes it."""
     analysis = self._runnable_analysis(args, kwargs)
-    if not analysis.state:  # nothing kept on host: as they are
-      return (args, kwargs) if kwargs else args
     split = self._split(args, kwargs)
     leaves = list(split.leaves)
-    moved = [i for i in analysis.state.inputs
-             if isinstance(leaves[i], jax.Array)
-             and leaves[i].sharding.memory_kind != "pinned_host"]
-    if moved:
-      copied = _to_pinned_host([leaves[i] for i in moved])
-      for i, leaf in zip(moved, copied):
+    to_host, to_device = self._misplaced(leaves, analysis)
+    if not to_host and not to_device:
+      return (args, kwargs) if kwargs else args
+    if to_host:
+      copied = _to_pinned_host([leaves[i] for i in to_host])
+      for i, leaf in zip(to_host, copied):
         leaves[i] = leaf
+    for i in to_device:
+      leaves[i] = on_device(leaves[i])
     placed_args, placed_kwargs = split.rebuilt(leaves)
     return (placed_args, placed_kwargs) if kwargs else placed_args
 

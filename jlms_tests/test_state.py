@@ -645,3 +645,37 @@ def test_a_step_that_falls_back_runs_jax_jit_with_its_state_on_device(
   assert _kinds(state) == {"device"}
   np.testing.assert_allclose(float(loss), float(
       jax.jit(train_step)(*expected[:1], *args[1:])[1]), rtol=1e-5)
+
+
+def test_state_on_host_goes_back_to_the_device_for_a_plan_that_keeps_it_there():
+  # The state that one plan returned on host, donated to a plan that takes
+  # it on the device (another jlms.offload of the step; the same step at a
+  # batch shape whose plan keeps the state on the device): copied to the
+  # device first, with one warning. Left to JAX, the compiled program
+  # aborted the whole process ("PjRtBuffer's memory kind does not match").
+  step, train_step, args = _small_state_step()
+  expected = jax.jit(train_step)(*_copy(args))
+  expected = jax.jit(train_step)(expected[0], *args[1:])
+  state, _ = step(*step.place(*_copy(args)))
+  assert "pinned_host" in _kinds(state)
+  on_device_step = jlms.offload(train_step, donate_argnums=0, budget="min",
+                                state_on_host=False)
+  with pytest.warns(jlms.StateOnDeviceWarning, match="jlms.on_device"):
+    state, loss = on_device_step(state, *args[1:])
+  assert _kinds(state) == {"device"}
+  np.testing.assert_allclose(float(loss), float(expected[1]), rtol=1e-5)
+  _assert_close(state.params, expected[0].params)
+
+
+def test_on_device_gives_state_that_jax_jit_computes_on():
+  step, train_step, args = _small_state_step()
+  expected = jax.jit(train_step)(*_copy(args))[0]
+  state, _ = step(*step.place(*_copy(args)))
+  assert "pinned_host" in _kinds(state)
+  moved = jlms.on_device(state)
+  assert _kinds(moved) == {"device"}
+  # An evaluation under jax.jit, which refuses the state on host.
+  evaluate = jax.jit(lambda s, x: s.apply_fn({"params": s.params}, x))
+  np.testing.assert_allclose(np.asarray(evaluate(moved, args[1])),
+                             np.asarray(evaluate(expected, args[1])),
+                             rtol=1e-5, atol=1e-6)
