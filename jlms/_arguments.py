@@ -192,6 +192,14 @@ def traceable(leaves) -> list:
   as abstract arrays on the device (a step computes on its arguments; jlms
   places its state itself, `jlms._state`)."""
   def on_device(leaf):
+    if isinstance(leaf, jax.core.Tracer):
+      # An outer trace's value in host memory (state that an earlier call
+      # of the step returned there, inside the user's own jit) is traced
+      # on the device, as a concrete one is.
+      if not _compat.is_host_aval(_compat.abstractify(leaf)):
+        return leaf
+      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                  weak_type=leaf.aval.weak_type)
     if not in_pinned_host(leaf):
       return leaf
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,

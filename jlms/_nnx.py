@@ -41,6 +41,11 @@ class OffloadedNnxStep:
       out = fun(*nodes, *args)
       return out, nnx.state(nodes)
 
+    # Warnings, logs and XLA's module name the user's step.
+    name = getattr(fun, "__name__", None)
+    if isinstance(name, str) and name.isidentifier():
+      pure_step.__name__ = pure_step.__qualname__ = name
+
     # The split state is the caller's only copy once written back, so it
     # is donated, as `nnx.jit` does with its state.
     self.offloaded: OffloadedStep = offload(
@@ -70,6 +75,23 @@ class OffloadedNnxStep:
     """The `jlms.Plan` of the step for these objects and arrays."""
     _, graphdef, state, rest = self._split(args)
     return self.offloaded.plan(graphdef, state, *rest)
+
+  def place(self, *args) -> None:
+    """Puts the objects' state where the step takes it, in the objects
+    themselves (as `OffloadedStep.place` does for arrays): the state that
+    the plan keeps on host copied to pinned host memory. Call it once
+    before the first step; each step leaves it there."""
+    from flax import nnx
+    nodes, graphdef, state, rest = self._split(args)
+    placed = self.offloaded.place(graphdef, state, *rest)
+    nnx.update(nodes, placed[1])
+
+  def tradeoff(self, *args, budgets=None, points: int = 6):
+    """Predicted step time against device budget, as
+    `OffloadedStep.tradeoff`."""
+    _, graphdef, state, rest = self._split(args)
+    return self.offloaded.tradeoff(graphdef, state, *rest, budgets=budgets,
+                                   points=points)
 
   def lower(self, *args) -> "jax.stages.Lowered":
     """The `jax.stages.Lowered` of the program that runs for these objects

@@ -132,7 +132,7 @@ class OffloadedStep:
       return self._as_jax_jit(args, kwargs)
     try:
       self._check_once(args, kwargs)
-      return program(*args, **kwargs)
+      return self._given_back(program(*args, **kwargs), args, kwargs)
     except Exception as error:  # handled outside, so as not to chain
       failure = error
     return self._after_failure(failure, args, kwargs)
@@ -242,6 +242,25 @@ class OffloadedStep:
     placed = self.place(*args, **kwargs)
     return (placed, {}) if not kwargs else placed
 
+  def _given_back(self, out, args, kwargs):
+    """`out`, with the updated state back in the memory its input came
+    from where the step runs under an outer trace (a `jax.jit` or
+    `lax.scan` of the step): the outer program holds the state between
+    calls, and where it gives the state on the device it takes it back
+    there. Returned on host, an outer jit that donates the state aborted
+    the process (JAX 0.10 to 0.12) and an outer scan refused its carry."""
+    leaves = self._split(args, kwargs).leaves
+    if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+      return out
+    analysis = self._analysis(args, kwargs)[0]
+    if analysis.failure is not None or not analysis.state:
+      return out
+    outs, treedef = jax.tree.flatten(out)
+    for i, o in zip(analysis.state.inputs, analysis.state.outputs):
+      if not _compat.is_host_aval(_compat.abstractify(leaves[i])):
+        outs[o] = jax.device_put(outs[o], jax.memory.Space.Device)
+    return jax.tree.unflatten(treedef, outs)
+
   @staticmethod
   def _misplaced(leaves, analysis) -> tuple[list[int], list[int]]:
     """Positions of the leaves to copy to pinned host memory (state the
@@ -276,8 +295,8 @@ class OffloadedStep:
         f"device: they are copied to host first (about "
         f"{1e3 * target.transfer_seconds(size):.3g} ms over "
         f"{target.link} on {target.name}) and returns the state on host. "
-        "Place the state once before the first step: "
-        "`args = step.place(*args)`", StateOnDeviceWarning, stacklevel=4)
+        "Place the state once before the first step with "
+        "`step.place(...)`", StateOnDeviceWarning, stacklevel=4)
 
   @property
   def _name(self) -> str:
@@ -452,6 +471,14 @@ class OffloadedStep:
       try:
         outs = _compat.bind_jit(analysis.jit_params, analysis.rewritten,
                                 placed_for(leaves, analysis.state.inputs))
+        # Only the updated state is given back on host (`plan.output_kinds`):
+        # another output that is a leaf kept on host (a step returning a
+        # state leaf's old value) goes to the device.
+        kept = set(analysis.state.outputs)
+        outs = [jax.device_put(o, jax.memory.Space.Device)
+                if p not in kept and _compat.is_host_aval(
+                    _compat.abstractify(o)) else o
+                for p, o in enumerate(outs)]
         return jax.tree.unflatten(analysis.out_tree, outs)
       except Exception as error:  # staging jlms's program: jlms's failure
         self._planner.failed_to_stage(args, kwargs, error,

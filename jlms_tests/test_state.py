@@ -376,9 +376,11 @@ def test_nnx_step_outputs_equal_jit():
   step = jlms.offload_nnx(train_step, budget="min", state_on_host=True,
                           min_bytes=_LEAF)
   reference = nnx.jit(train_step)
+  step.place(model, optimizer, x, y)  # into the objects, once
+  assert "pinned_host" in {
+      x.sharding.memory_kind for x in jax.tree.leaves(nnx.state(model))}
   with warnings.catch_warnings():
-    # The split state arrives on the device at the first call.
-    warnings.simplefilter("ignore", jlms.StateOnDeviceWarning)
+    warnings.simplefilter("error", jlms.StateOnDeviceWarning)
     for _ in range(STEPS):
       loss = step(model, optimizer, x, y)
       ref_loss = reference(ref_model, ref_optimizer, x, y)
@@ -679,3 +681,47 @@ def test_on_device_gives_state_that_jax_jit_computes_on():
   np.testing.assert_allclose(np.asarray(evaluate(moved, args[1])),
                              np.asarray(evaluate(expected, args[1])),
                              rtol=1e-5, atol=1e-6)
+
+
+def test_under_an_outer_jit_or_scan_the_state_comes_back_where_it_went_in():
+  # The user's own jit that donates the state (aborted the process: the
+  # state went in on the device and came back on host), and a lax.scan of
+  # steps (refused: its carry came back on host).
+  step, train_step, args = _small_state_step()
+  state, x, y = args
+  expected = jax.jit(train_step)(_copy(state), x, y)
+  expected = jax.jit(train_step)(expected[0], x, y)
+  outer = jax.jit(lambda s, x, y: step(s, x, y), donate_argnums=0)
+  got = outer(_copy(state), x, y)
+  got = outer(got[0], x, y)
+  assert _kinds(got[0]) == {"device"}
+  _assert_close(got[0].params, expected[0].params)
+
+  def two_steps(s):
+    return jax.lax.scan(lambda s, _: step(s, x, y), s, length=2)
+  scanned, losses = jax.jit(two_steps)(_copy(state))
+  _assert_close(scanned.params, expected[0].params)
+  np.testing.assert_allclose(float(losses[1]), float(expected[1]), rtol=1e-5)
+
+
+def test_a_state_leafs_old_value_as_an_output_is_given_on_the_device():
+  # Only the updated state comes back on host (`plan.output_kinds`); the
+  # old value of a leaf kept there, also returned, was given on host.
+  def step(params, x):
+    loss, grads = jax.value_and_grad(
+        lambda p: jnp.mean(jnp.tanh(x @ p["w"]) ** 2))(params)
+    new = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    return new, {"loss": loss, "old_w": params["w"]}
+
+  params = {"w": jnp.eye(64) * 0.5}
+  x = jnp.ones((8, 64))
+  offloaded = jlms.offload(step, donate_argnums=0, budget="min",
+                           state_on_host=True, min_bytes=_LEAF)
+  plan = offloaded.plan(params, x)
+  assert plan.argument_kinds[0]["w"] == "pinned_host"
+  new, out = offloaded(*offloaded.place(_copy(params), x))
+  assert plan.output_kinds[1]["old_w"] == "device"
+  assert _kinds(out["old_w"]) == {"device"}
+  assert _kinds(new) == {"pinned_host"}
+  np.testing.assert_allclose(np.asarray(out["old_w"]),
+                             np.asarray(params["w"]))
