@@ -45,6 +45,20 @@ def host_pool_advice(needed_bytes: int) -> str:
           f"machine with that much free memory")
 
 
+def parse_host_budget(host_budget) -> int:
+  """Bytes of `host_budget`, pinned host memory: an int of bytes or a size
+  such as "120GiB" (no percentage: of what, the host is not the device)."""
+  try:
+    if isinstance(host_budget, str) and host_budget.strip().endswith("%"):
+      raise ValueError(host_budget)
+    return parse_budget(host_budget)
+  except (TypeError, ValueError):
+    raise ValueError(
+        f"jlms: cannot read host_budget {host_budget!r}: the pinned host "
+        f"memory the plan may hold, as a positive int of bytes or a size "
+        f"such as '120GiB'") from None
+
+
 def parse_budget(budget, device_bytes=None) -> int:
   """Bytes of `budget`: an int of bytes, a size such as "20GiB" or "512 MB",
   or a percentage such as "90%" of `device_bytes` (a callable giving the
@@ -56,9 +70,12 @@ def parse_budget(budget, device_bytes=None) -> int:
       raise ValueError(f"jlms: budget must be positive, got {budget}")
     return int(budget)
   if not isinstance(budget, str):
-    raise TypeError(f"jlms: budget must be bytes, a size string such as "
-                    f"'20GiB' or a percentage such as '90%', got {budget!r}")
+    raise TypeError(f"jlms: budget must be an int of bytes, a size string "
+                    f"such as '20GiB' or a percentage such as '90%', got "
+                    f"{budget!r}")
   text = budget.strip().lower().replace(" ", "")
+  if text.startswith("-"):
+    raise ValueError(f"jlms: budget must be positive, got {budget!r}")
   match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)(%|[a-z]*)", text)
   if match is None or match.group(2) not in (*UNITS, "%"):
     raise ValueError(f"jlms: cannot read budget {budget!r}: use bytes, a size "

@@ -53,6 +53,7 @@ import argparse
 import ast
 import html
 import importlib
+import inspect
 import logging
 import os
 import sys
@@ -230,6 +231,10 @@ def _plan(args) -> int:
         logging.Formatter("%(relativeCreated)8.0f ms %(message)s"))
     logging.getLogger("jlms").addHandler(handler)
     logging.getLogger("jlms").setLevel(logging.INFO)
+  if args.html and not os.path.isdir(
+      os.path.dirname(os.path.abspath(args.html))):
+    # Checked before planning, which may take minutes.
+    raise _UsageError(f"--html {args.html}: its folder does not exist")
   step, step_args, step_kwargs = _step_and_arguments(
       _load(args.function), dict(args.arg))
   offloaded = _offloaded(step, args.budget, args.target, args.host_budget)
@@ -280,6 +285,13 @@ def _load(spec: str):
 
 def _step_and_arguments(function, keywords: dict):
   """(step, args, kwargs) of what `function(**keywords)` returns."""
+  try:
+    inspect.signature(function).bind(**keywords)
+  except TypeError as error:  # a parameter without a default and no --arg
+    raise _UsageError(f"{_name(function)}: {error}; give each with --arg "
+                      f"NAME=VALUE") from error
+  except ValueError:  # no signature to read (a builtin): called as it is
+    pass
   try:
     made = function(**keywords)
   except TypeError as error:

@@ -245,6 +245,23 @@ def has_plain_layout(aval) -> bool:
   return dtype is not None and not is_extended_dtype(dtype)
 
 
+def is_transformed(value) -> bool:
+  """Whether `value` is a tracer of a transformation that computes on it
+  (`jax.vmap`, `jax.grad`, `jax.jvp`, ...), not of staging into a jaxpr
+  (`jax.jit`, `lax.scan`, `jax.make_jaxpr`)."""
+  from jax._src.interpreters import partial_eval
+  return (isinstance(value, jax.core.Tracer)
+          and not isinstance(value, partial_eval.DynamicJaxprTracer))
+
+
+def nan_check_errors() -> tuple:
+  """The errors of `jax_debug_nans` / `jax_debug_infs` finding a NaN or an
+  infinity in what the step computes: the step's own, never jlms's."""
+  from jax._src import api_util
+  internal = getattr(api_util, "InternalFloatingPointError", None)
+  return (FloatingPointError,) + ((internal,) if internal else ())
+
+
 def is_host_aval(aval) -> bool:
   """Whether `aval` is placed in host memory (pinned or unpinned)."""
   return getattr(aval, "memory_space", None) == jax.memory.Space.Host

@@ -88,6 +88,14 @@ class OffloadedStep:
         _named_like(self._rewritten, fun),
         compiler_options=dict(FITTED_COMPILER_OPTIONS),
         **self.jit_options)
+    # The same, called inside another trace (the user's jit, vmap, grad),
+    # donating nothing: a nested jit's donation is dropped anyway, and a
+    # transformation's eager run of a donating program whose state comes
+    # back on host from device inputs aborted the process (JAX 0.10 to
+    # 0.12; `_given_back` then puts it back where it came from).
+    self._jitted_in_trace = jax.jit(
+        _named_like(self._rewritten, fun),
+        **dict(self.jit_options, donate_argnums=(), donate_argnames=()))
     # jax.jit's own program, for signatures whose program jlms failed to
     # compile (jax.jit keeps the trace of `_rewritten` that failed).
     self._plain_jitted = jax.jit(fun, **self.jit_options)
@@ -143,10 +151,18 @@ class OffloadedStep:
     if self._has_fallen_back(args, kwargs):
       return self._plain_jitted
     analysis, leaves = self._analysis(args, kwargs)
+    if analysis.state and any(_compat.is_transformed(x) for x in leaves):
+      # Batched (an ensemble under vmap) or differentiated (meta-learning
+      # over a train step): JAX refuses a batched slice of a state leaf in
+      # host memory (a gather there) and gives the copies of the state to
+      # host cotangents in host memory ("Expected cotangent type"). The
+      # step runs as jax.jit's program there, its state on the device.
+      return self._plain_jitted
     # Inside another trace the outer jit compiles the step: JAX takes
     # compiler options on the top-level jit only.
-    if (analysis.failure is None and analysis.fitted
-        and not any(isinstance(x, jax.core.Tracer) for x in leaves)):
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+      return self._jitted_in_trace
+    if analysis.failure is None and analysis.fitted:
       return self._jitted_fitted
     return self._jitted
 
@@ -194,7 +210,8 @@ class OffloadedStep:
     is not jlms's: the step's own (tracing it failed, or its program is
     jax.jit's), a decision already made (`OffloadError`, `BudgetError`),
     inside an outer trace, or after donated arguments were consumed."""
-    if isinstance(error, (OffloadError, *NOT_FALLEN_BACK_FROM)):
+    if isinstance(error, (OffloadError, *NOT_FALLEN_BACK_FROM,
+                          *_compat.nan_check_errors())):
       return None
     leaves = jax.tree.leaves((args, kwargs))
     if any(isinstance(x, jax.core.Tracer) or (
@@ -480,6 +497,16 @@ class OffloadedStep:
                     _compat.abstractify(o)) else o
                 for p, o in enumerate(outs)]
         return jax.tree.unflatten(analysis.out_tree, outs)
+      except _compat.nan_check_errors() as error:
+        # jax_debug_nans re-running the step op by op found a NaN in jlms's
+        # program: run the step itself op by op, as jax.jit's re-run does,
+        # so that JAX's error names the step's operation that made it.
+        if not isinstance(error, FloatingPointError):
+          on_device_args, on_device_kwargs = with_state_on_device(
+              (args, kwargs), abstract=False)
+          with jax.disable_jit():
+            self._fun(*on_device_args, **on_device_kwargs)
+        raise
       except Exception as error:  # staging jlms's program: jlms's failure
         self._planner.failed_to_stage(args, kwargs, error,
                                       analysis.needs_plan)

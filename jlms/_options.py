@@ -15,7 +15,7 @@ from typing import Any
 
 from jlms import _thresholds
 from jlms._budget import (check_budget_against_target, host_pool_bytes,
-                          parse_budget)
+                          parse_budget, parse_host_budget)
 from jlms._config import OffloadConfig
 from jlms._xla_memory import KNOWN_TARGETS, LOCAL_TARGET, target_memory_bytes
 
@@ -57,7 +57,7 @@ class SearchOptions:
     (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` GiB, 64 by default), and on a
     `local` GPU never more than the memory this machine has available."""
     if self.host_budget is not None:
-      return parse_budget(self.host_budget)
+      return parse_host_budget(self.host_budget)
     limit = host_pool_bytes()
     if local:
       try:
@@ -89,7 +89,7 @@ def search_options(config: OffloadConfig, budget, target, min_bytes,
   budget = next((named for named in (KNOBS, DEVICE, MINIMUM)
                  if budget == named), budget)
   if host_budget is not None:
-    parse_budget(host_budget)  # reject malformed budgets now
+    parse_host_budget(host_budget)  # reject malformed budgets now
   else:
     host_pool_bytes()  # reject a malformed XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
   if target is not None and target not in KNOWN_TARGETS:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import time
 from typing import Any
 
@@ -947,8 +948,20 @@ def tradeoff(request: SearchRequest, budgets=None, points: int = 6
              ) -> Tradeoff:
   """Predicted step time against device budget: the fastest fit
   (simulator and time model, no compile) of each budget in `budgets`
-  (bytes or sizes), by default `points` budgets from the least memory jlms
+  (bytes, sizes, or percentages of the memory of the GPU the times are
+  for; one budget alone is taken as a list of one; an empty list gives the
+  two ends alone), by default `points` budgets from the least memory jlms
   reaches up to `jax.jit`'s predicted peak."""
+  if isinstance(points, bool) or not isinstance(points, int) or points < 1:
+    raise ValueError(f"jlms: tradeoff points must be a positive int, got "
+                     f"{points!r}")
+  if isinstance(budgets, (str, numbers.Integral)):
+    budgets = [budgets]  # one budget
+  # A percentage is of the memory of the GPU the times are predicted for.
+  target = request.target or request.time.name
+  device_bytes = lambda: target_memory_bytes(target)  # noqa: E731
+  budgets = None if budgets is None else [parse_budget(b, device_bytes)
+                                          for b in budgets]
   times, baseline = request.time, request.baseline
   least = fastest_fit(request, None)[2]
   if budgets is None:
@@ -957,7 +970,6 @@ def tradeoff(request: SearchRequest, budgets=None, points: int = 6
                for i in range(points)]
   rows = []
   for budget in budgets:
-    budget = parse_budget(budget)
     try:
       _, residuals, result = fastest_fit(request, budget)
     except BudgetError:

@@ -67,8 +67,9 @@ _MIB = 1 << 20
 
 class DevicelessUnavailableError(RuntimeError):
     """The GPU target cannot be compiled for in this Python process:
-    deviceless compilation is not set up here, or `target="local"` names a
-    GPU this machine does not have."""
+    deviceless compilation is not set up here, `target="local"` names a
+    GPU this machine does not have, or the step calls back into Python
+    (JAX lowers a callback only for a backend the process has)."""
 
     __module__ = "jlms"  # tracebacks and reprs show the public name
 
@@ -236,7 +237,19 @@ def xla_memory_of_call(
         devices = _gpu_topology(target, topology).devices
         args, kwargs = _place_on_target((args, kwargs), devices)
     lower = fn.lower if hasattr(fn, "lower") else jax.jit(fn).lower
-    lowered = lower(*args, **kwargs)
+    try:
+        lowered = lower(*args, **kwargs)
+    except RuntimeError as error:
+        if target != LOCAL_TARGET and "Unknown backend" in str(error):
+            raise DevicelessUnavailableError(
+                f"jlms: the step calls back into Python (jax.debug.print, "
+                f"jax.debug.callback, jax.pure_callback or io_callback), and "
+                f"JAX lowers a callback only for a backend this process has: "
+                f"the step cannot be compiled for {target!r} without that GPU. "
+                f"Leave the callback out while planning (behind a flag of "
+                f"your own), or plan on the GPU itself"
+            ) from error
+        raise
     key = None
     if target != LOCAL_TARGET and hasattr(lowered, "as_text"):
         options = _compat.compiler_options(lowered)

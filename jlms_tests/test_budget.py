@@ -12,6 +12,7 @@ import pytest
 import jlms
 from benchmarks import models
 from jlms import _compat, _search
+from jlms._xla_memory import target_memory_bytes
 from jlms._budget import (HOST_POOL_VARIABLE, check_budget_against_target,
                           host_pool_bytes, parse_budget)
 from jlms._liveness import analyse
@@ -553,3 +554,29 @@ def test_a_step_that_xla_rematerializes_to_fit_runs_without_the_pass(
   options = _compat.compiler_options(lowered) or ()
   assert (("xla_disable_hlo_passes", "rematerialization") in options) == (
       expected == "without the pass"), options
+
+
+@pytest.mark.parametrize("host_budget", ["abc", "-5GiB", "50%", 1.5])
+def test_a_bad_host_budget_is_named_as_one(host_budget):
+  with pytest.raises(ValueError, match="cannot read host_budget .*bytes or a "
+                     "size such as '120GiB'"):
+    jlms.offload(lambda w: (w, w.sum()), donate_argnums=0, budget="min",
+                 host_budget=host_budget)
+
+
+def test_a_negative_budget_is_said_to_be_negative():
+  with pytest.raises(ValueError, match="budget must be positive"):
+    jlms.offload(lambda w: w, budget="-1GiB")
+
+
+def test_the_tradeoff_takes_one_budget_or_a_percentage_and_checks_points():
+  step = jlms.offload(lambda w, x: (w, jax.numpy.sum(jax.numpy.tanh(x @ w))),
+                      target="h100")
+  args = (jax.numpy.ones((256, 256)), jax.numpy.ones((64, 256)))
+  one = step.tradeoff(*args, budgets="64MiB")  # was read letter by letter
+  assert [p.budget_bytes for p in one.points] == [64 << 20]
+  share = step.tradeoff(*args, budgets=["1%"])  # of the H100, not refused
+  assert share.points[0].budget_bytes == int(
+      target_memory_bytes("h100") * 1 / 100)
+  with pytest.raises(ValueError, match="points must be a positive int"):
+    step.tradeoff(*args, points=0)

@@ -59,6 +59,10 @@ def not_a_step():
   return 3
 
 
+def step_of_width(width):
+  return small_step()
+
+
 def _table(out: str) -> dict[str, tuple[str, str]]:
   """The printed summary: quantity -> (jax.jit's, jlms's)."""
   rows = {}
@@ -141,6 +145,11 @@ def test_a_jitted_or_offloaded_step_is_planned_too(function, expected, capsys):
      "with a 'step'.*returned an object of type int"),
     (["plan", SMALL, "--arg", "layers=2"], "unexpected keyword argument"),
     (["plan", SMALL, "--arg", "layers"], "expected NAME=VALUE"),
+    (["plan", "jlms_tests.test_cli:step_of_width"],
+     "missing a required argument: 'width'; give each with --arg NAME=VALUE"),
+    # Before planning, which may take minutes.
+    (["plan", SMALL, "--html", "/no/such/folder/plan.html"],
+     "its folder does not exist"),
 ])
 def test_usage_errors_exit_2_and_say_what_was_expected(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_:

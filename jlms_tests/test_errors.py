@@ -4,6 +4,7 @@ messages that name the setting at fault and say what to do."""
 import inspect
 import pickle
 import traceback
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -53,3 +54,33 @@ def test_the_local_target_without_a_gpu_says_what_to_do_instead(budget):
     step.plan(jnp.ones(4))
   assert "target='h100'" in str(raised.value)
   assert "report" not in str(raised.value)
+
+
+def test_a_step_that_calls_back_says_why_it_cannot_be_compiled_deviceless():
+  # JAX lowers a host callback only for a backend the process has; it said
+  # "Unknown backend: 'gpu' requested" from inside JAX's lowering.
+  def step(w, x):
+    loss = jnp.mean(jnp.tanh(x @ w) ** 2)
+    jax.debug.print("loss {}", loss)
+    return w, loss
+
+  args = (jnp.ones((64, 64)), jnp.ones((8, 64)))
+  with pytest.raises(jlms.DevicelessUnavailableError,
+                     match="calls back into Python.*'h100'.*plan on the GPU"):
+    jlms.offload(step, target="h100").plan(*args)
+
+
+def test_a_nan_of_the_step_under_debug_nans_is_the_steps_error():
+  # jax_debug_nans re-runs a program that made a NaN op by op; jlms took
+  # JAX's internal error of that re-run for a failure of its own (a
+  # FallbackWarning asking for a report, or an OffloadError).
+  def step(w, x):
+    loss, grad = jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+    return w - 0.1 * grad, jnp.log(loss - 1e6)
+
+  args = (jnp.ones((16, 16)), jnp.ones((4, 16)))
+  with jax.debug_nans(True), warnings.catch_warnings():
+    warnings.simplefilter("error", jlms.FallbackWarning)
+    for options in ({}, {"budget": "min", "strict": True}):
+      with pytest.raises(FloatingPointError, match="nan.*log"):
+        jlms.offload(step, **options)(*args)

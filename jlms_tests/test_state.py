@@ -725,3 +725,25 @@ def test_a_state_leafs_old_value_as_an_output_is_given_on_the_device():
   assert _kinds(new) == {"pinned_host"}
   np.testing.assert_allclose(np.asarray(out["old_w"]),
                              np.asarray(params["w"]))
+
+
+def test_vmap_and_grad_over_a_step_keeping_state_on_host_equal_jax_jit():
+  # An ensemble (vmap) ran jlms's donating program on the device arrays it
+  # holds and aborted the process; grad through it was refused (the
+  # state's copy to host has a cotangent in host memory).
+  def step(w, x):
+    loss, grad = jax.value_and_grad(
+        lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+    return w - 0.1 * grad, loss
+
+  offloaded = jlms.offload(step, budget="min", donate_argnums=0,
+                           state_on_host=True, min_bytes=_LEAF)
+  ws, x = jnp.ones((2, 64, 64)) / 64, jnp.ones((16, 64))
+  assert offloaded.plan(ws[0], x).state_leaves == 1
+  np.testing.assert_allclose(
+      np.asarray(jax.vmap(offloaded, in_axes=(0, None))(_copy(ws), x)[1]),
+      np.asarray(jax.vmap(step, in_axes=(0, None))(ws, x)[1]), rtol=1e-6)
+  np.testing.assert_allclose(
+      np.asarray(jax.grad(lambda w: offloaded(w, x)[1])(ws[0])),
+      np.asarray(jax.grad(lambda w: step(w, x)[1])(ws[0])), rtol=1e-5,
+      atol=1e-7)
