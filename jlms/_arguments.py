@@ -6,7 +6,9 @@ name the same parameters whichever way a caller passes them, each completed
 from the other through the step's signature as `jax.jit` does; a leaf that
 is neither an array nor static is refused with its path and what to do; a
 call's fresh arrays can be committed where they are, without a copy, so
-that a train loop compiles its step once.
+that a train loop compiles its step once; arrays in pinned host memory are
+traced as device arrays, and `on_device` (public as `jlms.on_device`)
+copies them back to the device on the same devices and sharding.
 """
 
 from __future__ import annotations
@@ -191,7 +193,7 @@ def traceable(leaves) -> list:
   """`leaves` as the step is traced on them: arrays in pinned host memory
   as abstract arrays on the device (a step computes on its arguments; jlms
   places its state itself, `jlms._state`)."""
-  def on_device(leaf):
+  def as_traced(leaf):
     if isinstance(leaf, jax.core.Tracer):
       # An outer trace's value in host memory (state that an earlier call
       # of the step returned there, inside the user's own jit) is traced
@@ -206,7 +208,7 @@ def traceable(leaves) -> list:
                                 sharding=leaf.sharding.with_memory_kind(
                                     "device"),
                                 weak_type=leaf.weak_type)
-  return [on_device(x) for x in leaves]
+  return [as_traced(x) for x in leaves]
 
 
 def host_positions(leaves) -> tuple[int, ...]:

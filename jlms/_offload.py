@@ -245,7 +245,8 @@ class OffloadedStep:
       return args, kwargs
     analysis = self._analysis(args, kwargs)[0]
     if analysis.failure is not None or self._has_fallen_back(args, kwargs):
-      return args, kwargs  # jax.jit's program runs, with the state on device
+      # jax.jit's program runs, with the state on the device.
+      return with_state_on_device((args, kwargs), abstract=False)
     to_host, to_device = self._misplaced(leaves, analysis)
     if not to_host and not to_device:
       return args, kwargs
@@ -260,8 +261,8 @@ class OffloadedStep:
     return (placed, {}) if not kwargs else placed
 
   def _given_back(self, out, args, kwargs):
-    """`out`, with the updated state back in the memory its input came
-    from where the step runs under an outer trace (a `jax.jit` or
+    """`out`, with the updated state that went in on the device given back
+    on the device where the step runs under an outer trace (a `jax.jit` or
     `lax.scan` of the step): the outer program holds the state between
     calls, and where it gives the state on the device it takes it back
     there. Returned on host, an outer jit that donates the state aborted
@@ -281,13 +282,17 @@ class OffloadedStep:
   @staticmethod
   def _misplaced(leaves, analysis) -> tuple[list[int], list[int]]:
     """Positions of the leaves to copy to pinned host memory (state the
-    plan keeps there, arriving on the device) and to the device (arrays in
-    pinned host memory that the plan takes on the device)."""
+    plan keeps there, arriving on the device) and to the device (donated
+    arrays in pinned host memory that the plan takes on the device; one
+    not donated, such as a data loader's pinned batch, the program copies
+    itself)."""
     kept = set(analysis.state.inputs) if analysis.failure is None else set()
+    donated = set(analysis.plain.program.donated
+                  if analysis.plain is not None else ())
     to_host = [i for i in sorted(kept) if isinstance(leaves[i], jax.Array)
                and leaves[i].sharding.memory_kind != "pinned_host"]
-    to_device = [i for i, x in enumerate(leaves)
-                 if i not in kept and in_pinned_host(x)]
+    to_device = [i for i in sorted(donated - kept)
+                 if in_pinned_host(leaves[i])]
     return to_host, to_device
 
   def _warn_state_on_host(self, arrived) -> None:

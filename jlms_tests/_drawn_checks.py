@@ -139,6 +139,9 @@ def _tolerance(drawn) -> float:
 #: The most a bfloat16 step may differ, however sensitive it is: a wrong
 #: copy or a lost dependency differs by 1e-1 and up.
 _BF16_CEILING = 8e-2
+#: The most a float32 step may differ from float64's outputs, however
+#: sensitive: three steps of float32 rounding stay far below it.
+_F32_CEILING = 1e-4
 _JIT_NOISE: dict = {}
 
 
@@ -166,8 +169,9 @@ def _float64_outputs(drawn, steps_run: int) -> list:
         lambda leaf: leaf.astype(np.float64) if getattr(
             leaf, "dtype", None) == np.float32 else leaf, tree)
   outputs = []
+  made = drawn.make_args()  # outside: `build`'s caches fill in float32
   with jax.enable_x64(True):
-    args, kwargs = widened(drawn.make_args())
+    args, kwargs = widened(made)
     jitted = jax.jit(drawn.fn, **drawn.jit_options)
     for _ in range(steps_run):
       out = jitted(*args, **kwargs)
@@ -189,7 +193,9 @@ def assert_outputs_agree(drawn, actual, expected, plan=None) -> None:
   - in bfloat16 it passes if it stays within 1.5 times what jax.jit's own
     outputs move under another legal rounding, and below `_BF16_CEILING`.
   A wrong value (a lost dependency, a stale copy) is 1e-2 and more from
-  both."""
+  both; a float32 step passes past its tolerance only below
+  `_F32_CEILING`, and only where jax.jit's outputs are that near float64's
+  (with dropout they are not: JAX draws another mask in float64)."""
   errors = [max_relative_error(a, e) for a, e in zip(actual, expected)]
   tolerance = _tolerance(drawn)
   if max(errors) > tolerance and drawn.spec.precision == "float32":
@@ -197,7 +203,13 @@ def assert_outputs_agree(drawn, actual, expected, plan=None) -> None:
     for step, (a, e, x) in enumerate(zip(actual, expected, exact)):
       jit_error = max_relative_error(e, x)
       error = max_relative_error(a, x)
-      assert error <= max(tolerance, 1.5 * jit_error), (
+      # Comparable only where jax.jit's float32 outputs are near float64's:
+      # in float64 JAX draws another dropout mask from the same key.
+      assert jit_error <= _F32_CEILING, (
+          f"step {step + 1}: relative error {errors[step]:.2e} from "
+          f"jax.jit's outputs, and float64's are no reference ({jit_error:.2e}"
+          f" from jax.jit's)\n{plan}")
+      assert error <= min(_F32_CEILING, max(tolerance, 1.5 * jit_error)), (
           f"step {step + 1}: relative error {errors[step]:.2e} from "
           f"jax.jit's outputs; {error:.2e} from float64's, where jax.jit's "
           f"are {jit_error:.2e} from them (tolerance {tolerance:.1e})\n"

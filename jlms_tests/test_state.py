@@ -378,7 +378,7 @@ def test_nnx_step_outputs_equal_jit():
   reference = nnx.jit(train_step)
   step.place(model, optimizer, x, y)  # into the objects, once
   assert "pinned_host" in {
-      x.sharding.memory_kind for x in jax.tree.leaves(nnx.state(model))}
+      leaf.sharding.memory_kind for leaf in jax.tree.leaves(nnx.state(model))}
   with warnings.catch_warnings():
     warnings.simplefilter("error", jlms.StateOnDeviceWarning)
     for _ in range(STEPS):
@@ -747,3 +747,23 @@ def test_vmap_and_grad_over_a_step_keeping_state_on_host_equal_jax_jit():
       np.asarray(jax.grad(lambda w: offloaded(w, x)[1])(ws[0])),
       np.asarray(jax.grad(lambda w: step(w, x)[1])(ws[0])), rtol=1e-5,
       atol=1e-7)
+
+
+def test_a_pinned_host_batch_that_is_not_donated_is_left_to_the_program():
+  # A data loader's batch in pinned host memory: the program copies it in
+  # itself; no warning, no copy before each call.
+  def step(params, x):
+    loss, grads = jax.value_and_grad(
+        lambda p: jnp.mean(jnp.tanh(x @ p["w"]) ** 2))(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+  params = {"w": jnp.eye(64) * 0.5}
+  x = jnp.ones((8, 64))
+  pinned = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+  offloaded = jlms.offload(step, budget="min", donate_argnums=0)
+  expected = jax.jit(step)(_copy(params), x)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jlms.StateOnDeviceWarning)
+    new, loss = offloaded(_copy(params), pinned)
+  np.testing.assert_allclose(float(loss), float(expected[1]), rtol=1e-5)
+  _assert_close(new, expected[0])
