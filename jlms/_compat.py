@@ -245,6 +245,13 @@ def has_plain_layout(aval) -> bool:
   return dtype is not None and not is_extended_dtype(dtype)
 
 
+def under_a_trace() -> bool:
+  """Whether any JAX trace (jit, scan, vmap, grad, ...) is active: a
+  constant-time check before looking for tracers among many leaves."""
+  from jax._src import core
+  return not core.trace_state_clean()
+
+
 def is_transformed(value) -> bool:
   """Whether `value` is a tracer of a transformation that computes on it
   (`jax.vmap`, `jax.grad`, `jax.jvp`, ...), not of staging into a jaxpr

@@ -267,6 +267,8 @@ class OffloadedStep:
     calls, and where it gives the state on the device it takes it back
     there. Returned on host, an outer jit that donates the state aborted
     the process (JAX 0.10 to 0.12) and an outer scan refused its carry."""
+    if not _compat.under_a_trace():
+      return out  # a training loop's call: nothing to look for
     leaves = self._split(args, kwargs).leaves
     if not any(isinstance(x, jax.core.Tracer) for x in leaves):
       return out
