@@ -27,8 +27,7 @@ import jax
 from jlms import _compat
 from jlms._analysed import PlannedStep, placed_for
 from jlms._arguments import (SplitArguments, committed_where_they_are,
-                             complete_argnums, in_pinned_host, on_device,
-                             with_state_on_device)
+                             complete_argnums, in_pinned_host, on_device)
 from jlms._config import OffloadConfig, SyncMode
 from jlms._cost import time_target
 from jlms._fallback import (OffloadError, describe,
@@ -202,7 +201,7 @@ class OffloadedStep:
     device: state that a plan kept on host is copied back first (jax.jit's
     program cannot take it from host; the state then stays on the device,
     as under jax.jit)."""
-    args, kwargs = with_state_on_device((args, kwargs), abstract=False)
+    args, kwargs = on_device((args, kwargs))
     return self._plain_jitted(*args, **kwargs)
 
   def _failed_in_jlms(self, error: Exception, args, kwargs):
@@ -246,7 +245,7 @@ class OffloadedStep:
     analysis = self._analysis(args, kwargs)[0]
     if analysis.failure is not None or self._has_fallen_back(args, kwargs):
       # jax.jit's program runs, with the state on the device.
-      return with_state_on_device((args, kwargs), abstract=False)
+      return on_device((args, kwargs))
     to_host, to_device = self._misplaced(leaves, analysis)
     if not to_host and not to_device:
       return args, kwargs
@@ -297,29 +296,31 @@ class OffloadedStep:
                  if in_pinned_host(leaves[i])]
     return to_host, to_device
 
-  def _warn_state_on_host(self, arrived) -> None:
+  def _copy_cost(self, arrived) -> str:
+    """The bytes of `arrived` and what copying them over the target's host
+    link takes, as the placement warnings say it."""
     size = sum(x.nbytes for x in arrived)
     target = time_target(self.target)
+    return (f"{format_bytes(size)}; about "
+            f"{1e3 * target.transfer_seconds(size):.3g} ms over "
+            f"{target.link} on {target.name}")
+
+  def _warn_state_on_host(self, arrived) -> None:
     warnings.warn(
         f"jlms.offload({self._name}): {len(arrived)} arguments "
-        f"({format_bytes(size)}) arrived in pinned host memory, where this "
-        f"plan takes them on the device (another plan, for other shapes or "
-        f"another budget, returned them on host): they are copied to the "
-        f"device first (about {1e3 * target.transfer_seconds(size):.3g} ms "
-        f"over {target.link} on {target.name}). `jlms.on_device(tree)` "
-        "copies such state back once", StateOnDeviceWarning, stacklevel=4)
+        f"({self._copy_cost(arrived)}) arrived in pinned host memory, where "
+        f"this plan takes them on the device (another plan, for other shapes "
+        f"or another budget, returned them on host): they are copied to the "
+        f"device first. `jlms.on_device(tree)` copies such state back once",
+        StateOnDeviceWarning, stacklevel=4)
 
   def _warn_state_on_device(self, analysis, arrived) -> None:
-    size = sum(x.nbytes for x in arrived)
-    target = time_target(self.target)
     warnings.warn(
         f"jlms.offload({self._name}) keeps {len(analysis.state.inputs)} "
         f"state leaves in pinned host memory between steps, but "
-        f"{len(arrived)} of them ({format_bytes(size)}) arrived on the "
-        f"device: they are copied to host first (about "
-        f"{1e3 * target.transfer_seconds(size):.3g} ms over "
-        f"{target.link} on {target.name}) and returns the state on host. "
-        "Place the state once before the first step with "
+        f"{len(arrived)} of them ({self._copy_cost(arrived)}) arrived on the "
+        f"device: they are copied to host first and the step returns the "
+        f"state on host. Place the state once before the first step with "
         "`step.place(...)`", StateOnDeviceWarning, stacklevel=4)
 
   @property
@@ -411,8 +412,8 @@ class OffloadedStep:
     with each leaf in the memory the step takes it
     from: the state that the plan keeps on host copied to pinned host
     memory (by one jitted copy per leaf's device set, far faster than
-    `jax.device_put` to host outside jit), any other array in pinned host
-    memory copied to the device, everything else as it is. Call it once
+    `jax.device_put` to host outside jit), any other donated array in
+    pinned host memory copied to the device, everything else as it is. Call it once
     before the first step; the step returns the state where it takes it."""
     analysis = self._runnable_analysis(args, kwargs)
     split = self._split(args, kwargs)
@@ -509,8 +510,7 @@ class OffloadedStep:
         # program: run the step itself op by op, as jax.jit's re-run does,
         # so that JAX's error names the step's operation that made it.
         if not isinstance(error, FloatingPointError):
-          on_device_args, on_device_kwargs = with_state_on_device(
-              (args, kwargs), abstract=False)
+          on_device_args, on_device_kwargs = on_device((args, kwargs))
           with jax.disable_jit():
             self._fun(*on_device_args, **on_device_kwargs)
         raise
