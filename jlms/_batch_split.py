@@ -20,9 +20,12 @@ Two pure steps:
   the split adds. The number of chunks is the least divisor of the axis
   that brings that value to the edge's size.
 - `split_over_batch` rewrites the program: the region's whole-valued
-  equations first, then one `lax.scan` over the chunks (cut inputs sliced,
-  cut outputs joined, partial sums added in float32 where the value is a
-  narrower float), then the equations that read the sums.
+  equations first, then the chunks: where the region sums (a weight's
+  gradient), the first chunk before a `lax.scan` over the others, its
+  partial sums starting the totals (no zeros written whole to start
+  from), else one `lax.scan` over them all (cut inputs sliced, cut
+  outputs joined, partial sums added in float32 where the value is a
+  narrower float); then the equations that read the sums.
 
 Guarantees: the rewritten program computes what the program computes, up
 to the additions over chunks: a sum over the batch is added chunk by
@@ -413,7 +416,8 @@ def split_over_batch(program: Program, split: BatchSplit) -> Program:
     for index in order["pre"]:
       bind(index, read)
 
-    def iteration(carry, xs):
+    def partials(xs):
+      # One chunk: its partial sums, and its slices of the stacked outputs.
       local = {a: read(a) for a in whole_in}
       local.update(zip(cut_in, xs))
       for index in order["body"]:
@@ -422,14 +426,30 @@ def split_over_batch(program: Program, split: BatchSplit) -> Program:
             equation.eqn, [local[_key(a)] for a in equation.inputs],
             [chunk_shape(v) for v in equation.outputs])
         local.update(zip(equation.outputs, results))
-      carry = [c + local[v].astype(c.dtype) for c, v in zip(carry, summed)]
-      return carry, [local[v] for v in stacked]
+      return [local[v] for v in summed], [local[v] for v in stacked]
 
-    zeros = [jnp.zeros(program.avals[v].shape,
-                       _accumulated(program.avals[v].dtype)) for v in summed]
-    totals, ys = jax.lax.scan(
-        iteration, zeros, [_chunked(read(a), axes[a], chunks)
-                           for a in cut_in], length=chunks)
+    whole_chunked = [_chunked(read(a), axes[a], chunks) for a in cut_in]
+
+    def iteration(carry, index):
+      sums, ys = partials([jax.lax.dynamic_index_in_dim(x, index, 0, False)
+                           for x in whole_chunked])
+      return [c + s.astype(c.dtype) for c, s in zip(carry, sums)], ys
+
+    if summed:
+      # The first chunk runs before the loop and its partial sums start
+      # the totals: zeros to start them from would be written whole
+      # (Llama-3.2-3B's head gradient: 1.5 GiB, 0.47 ms on an H100), and
+      # 0 + x is x, so the sums are the same.
+      first_sums, first_ys = partials([x[0] for x in whole_chunked])
+      totals, rest = jax.lax.scan(
+          iteration, [s.astype(_accumulated(program.avals[v].dtype))
+                      for s, v in zip(first_sums, summed)],
+          jnp.arange(1, chunks, dtype=jnp.int32))
+      ys = [jnp.concatenate([first[None], others])
+            for first, others in zip(first_ys, rest)]
+    else:
+      totals, ys = jax.lax.scan(iteration, [],
+                                jnp.arange(chunks, dtype=jnp.int32))
     env.update((v, t.astype(program.avals[v].dtype))
                for v, t in zip(summed, totals))
     env.update((v, _joined(y, axes[v])) for v, y in zip(stacked, ys))
