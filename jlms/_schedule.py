@@ -177,9 +177,14 @@ def predict_step_time(program: Program, liveness: Liveness,
     # Each direction has its engine, but XLA waits for each slice's copy
     # right after starting it, the fetch and the write-back one after the
     # other (the 6.58B-parameter GPT's moment on host: 8.25 GiB each way,
-    # 322 ms exposed by the schedule model, 161 ms each way).
-    after[copy.index] += (target.transfer_seconds(copy.to_device)
-                          + target.transfer_seconds(copy.to_host))
+    # 322 ms exposed by the schedule model, 161 ms each way), except
+    # where an update loop runs one leaf's fetch beside another's
+    # write-back (`serial_bytes`).
+    if copy.serial_bytes is not None:
+      after[copy.index] += target.transfer_seconds(copy.serial_bytes)
+    else:
+      after[copy.index] += (target.transfer_seconds(copy.to_device)
+                            + target.transfer_seconds(copy.to_host))
     d2h += copy.to_host
     h2d += copy.to_device
 

@@ -92,6 +92,10 @@ class StateCopy:
   # State leaves whose optimizer update runs inside the loop at `index`
   # (`jlms._update_fusion`), on host or on the device.
   updated_in_loop: int = 0
+  # The bytes of one direction that the copies take the time of, where
+  # the two directions run side by side in part (an update loop's, see
+  # `jlms._update_loops._serial_bytes`); None: one after the other.
+  serial_bytes: int | None = None
 
 
 def state_pairs(program: Program, donated: Sequence[int]
@@ -123,6 +127,41 @@ def host_state(program: Program, liveness: Liveness,
   rest = tuple(pair for pair in pairs if pair not in chosen)
   return HostState(tuple(i for i, _ in chosen), tuple(o for _, o in chosen),
                    rest)
+
+
+def updated_together(program: Program, liveness: Liveness,
+                     positions: Sequence[int]) -> list[tuple[int, ...]]:
+  """`positions` (inputs of the program) grouped by the update run that
+  reads them (`jlms._update_loops.update_runs`): an optimizer's two
+  moments of one weight are updated by one run, so one loop fetches and
+  writes back both. Each position is in one group; a position that no
+  run reads (not streamable, or read whole) is a group of its own. In
+  program order of the positions."""
+  values = {program.invars[p]: p for p in positions}
+  group_of = {}
+  for number, run in enumerate(update_runs(program, liveness, set(values))):
+    for index in run:
+      for atom in program.equations[index].inputs:
+        if isinstance(atom, int) and atom in values:
+          group_of.setdefault(values[atom], number)
+  groups: dict = {}
+  for position in positions:
+    groups.setdefault(group_of.get(position, ("alone", position)),
+                      []).append(position)
+  return [tuple(group) for group in groups.values()]
+
+
+def largest_updates_first(program: Program, liveness: Liveness,
+                          positions: Sequence[int]) -> list[tuple[int, ...]]:
+  """`updated_together(positions)`, the group with the largest leaf first
+  (then the most bytes): the order in which a budget search moves the
+  optimizer's moments to host, a weight's moments together."""
+  size = {p: aval_nbytes(program.avals[program.invars[p]])
+          for p in positions}
+  return sorted(updated_together(program, liveness, positions),
+                key=lambda g: (max(size[p] for p in g),
+                               sum(size[p] for p in g), g),
+                reverse=True)
 
 
 def state_scan_reads(program: Program, liveness: Liveness, state: HostState,
@@ -318,18 +357,18 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
   runs = [run for run in runs if tuple(run) not in fused_runs]
   # index of a run's last equation -> its loop's equations
   loop_at: dict[int, tuple[Equation, ...]] = {}
-  loop_copies: dict[int, tuple[int, int]] = {}
+  loop_copies: dict[int, tuple[int, int, int]] = {}
   outvars = list(program.outvars)
   for run in runs:
     try:
-      loop, to_device, to_host, host_outs = update_loop(
+      loop, to_device, to_host, host_outs, serial = update_loop(
           program, liveness, run, on_host, host_outputs, output_readers,
           updated, label, new_id)
     except CannotLoop:
       continue
     loop_at[run[-1]] = loop
     removed.update(run)
-    loop_copies[run[-1]] = (to_device, to_host)
+    loop_copies[run[-1]] = (to_device, to_host, serial)
     for value in host_outs:
       avals[value] = _compat.memory_space_aval(avals[value],
                                                jax.memory.Space.Host)
@@ -391,8 +430,9 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
     if index in loop_at:
       *prelude, scan = loop_at[index]
       equations.extend(prelude)
-      to_device, to_host = loop_copies[index]
-      copies.append(StateCopy(len(equations), to_device, to_host))
+      to_device, to_host, serial = loop_copies[index]
+      copies.append(StateCopy(len(equations), to_device, to_host,
+                              serial_bytes=serial))
       index_of[index] = len(equations)
       equations.append(scan)
     elif index not in removed:

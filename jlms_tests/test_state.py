@@ -98,6 +98,43 @@ def test_state_pairs_are_the_donated_inputs_returned_updated():
   assert chosen.inputs == (0,)  # "b" is 20 bytes
 
 
+def test_a_weights_two_moments_are_grouped_and_go_to_host_together():
+  """AdamW's two moments of one weight are updated by one run, so they go
+  to host together: the budget search moves both moments of one of the
+  largest weights first (its loop then fetches one while writing the
+  other back), not one moment each of two weights of the same size."""
+  params = {"a": jnp.ones((64, 128)), "b": jnp.ones((64, 128)),
+            "small": jnp.ones((64, 32))}
+  optimizer = optax.adamw(1e-3)
+
+  def loss(p, x):
+    hidden = jnp.tanh(x @ p["a"].T) * jnp.tanh(x @ p["b"].T)
+    return jnp.sum(hidden @ p["small"])
+
+  def step(params, opt_state, x):
+    grads = jax.grad(loss)(params, x)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  opt_state = optimizer.init(params)
+  program = flatten(jax.make_jaxpr(step)(params, opt_state,
+                                         jnp.ones((4, 128))))
+  liveness = analyse(program)
+  flat = jax.tree_util.tree_flatten_with_path((params, opt_state))[0]
+  positions = {jax.tree_util.keystr(path): k
+               for k, (path, _) in enumerate(flat)}
+  names = ("a", "b", "small")
+  moments_of = {name: tuple(sorted(positions[f"[1][0].{which}['{name}']"]
+                                   for which in ("mu", "nu")))
+                for name in names}
+  every = sorted(p for pair in moments_of.values() for p in pair)
+  groups = _state.largest_updates_first(program, liveness, every)
+  assert sorted(tuple(sorted(g)) for g in groups) == sorted(
+      moments_of.values())
+  assert tuple(sorted(groups[0])) in (moments_of["a"], moments_of["b"])
+  assert tuple(sorted(groups[-1])) == moments_of["small"]
+
+
 def test_update_runs_one_slice_at_a_time():
   def step(w, m, g):
     m = 0.9 * m + 0.1 * g
@@ -117,6 +154,9 @@ def test_update_runs_one_slice_at_a_time():
   # fetched an iteration ahead); each goes out once.
   assert [(c.to_device, c.to_host) for c in copies] == [
       (2 * size + 2 * size // 6, 2 * size)]
+  # One leaf's fetch runs beside the other's write-back: the loop takes
+  # the time of one direction's bytes, not of both.
+  assert copies[0].serial_bytes == 2 * size
   layout = jlms._compat.scan_layout(loops[0].eqn)
   assert layout.length == 6
   # The loop carries both leaves' next slices, fetched before it starts.
@@ -130,6 +170,23 @@ def test_update_runs_one_slice_at_a_time():
         rewritten.avals[rewritten.outvars[position]])
     assert jlms._compat.is_host_aval(
         rewritten.avals[rewritten.invars[position]])
+
+
+def test_one_leaf_updated_in_place_is_priced_fetch_then_write_back():
+  """A loop that updates one leaf on host in place reads and writes one
+  buffer: XLA runs its fetch and write-back one after the other, and the
+  time model prices both directions' bytes one after the other."""
+  def step(w, g):
+    return w - 0.01 * g, jnp.sum(g)
+
+  shapes = [jax.ShapeDtypeStruct((6, 8, 16), jnp.float32)] * 2
+  program = flatten(jax.make_jaxpr(step)(*shapes))
+  liveness = analyse(program)
+  state = _state.host_state(program, liveness,
+                            _state.state_pairs(program, (0,)))
+  _, copies, _ = _state.keep_state_on_host(program, state)
+  size = 6 * 8 * 16 * 4
+  assert [(c.to_host, c.serial_bytes) for c in copies] == [(size, 2 * size)]
 
 
 def test_a_leaf_of_many_rows_is_updated_in_chunks():
