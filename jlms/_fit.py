@@ -115,6 +115,9 @@ class _Problem:
     self.constants = step_constants(program, liveness, fusion)
     self.min_bytes = min_bytes
     self.host_budget: int | None = None
+    # Whether the host budget turned a copy down: only then is raising it
+    # worth saying when the budget is not met.
+    self.host_budget_refused = False
     self._facts: dict = {}  # chain -> `kernel_facts`
     self._remake_s: dict = {}  # (chain, value) -> `recompute_seconds`
     self._remade_together_s: dict = {}  # see `predict_step_time`
@@ -497,7 +500,9 @@ def _fits_host(problem: _Problem, timeline: MemoryTimeline,
   start = option.offload.swap_out_after
   end = option.offload.swap_ins[-1].issue_before
   on_host = int(timeline.host_bytes[start:end + 1].max(initial=0))
-  return on_host + option.nbytes <= problem.host_budget
+  fits = on_host + option.nbytes <= problem.host_budget
+  problem.host_budget_refused |= not fits
+  return fits
 
 
 def _smallest_error(problem, timeline, budget) -> BudgetError:
@@ -506,7 +511,7 @@ def _smallest_error(problem, timeline, budget) -> BudgetError:
       f"smallest peak jlms reaches is {format_bytes(timeline.peak_bytes)} "
       f"(arguments and outputs {format_bytes(timeline.fixed_bytes)}); raise "
       "the budget to at least that" + (
-          "" if problem.host_budget is None else
+          "" if not problem.host_budget_refused else
           f", or the host budget ({format_bytes(problem.host_budget)} of "
           "pinned host memory, which bounds what can be copied out)"))
   error.smallest_bytes = timeline.peak_bytes

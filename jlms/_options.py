@@ -85,9 +85,11 @@ def search_options(config: OffloadConfig, budget, target, min_bytes,
   that `donates` arguments); ValueError or TypeError saying what to pass
   where one cannot be right."""
   # The named budgets are told apart by identity: a string equal to one
-  # (read from a command line, say) is made that one.
+  # (read from a command line, say), in any case and with spaces around
+  # it as a size may have them, is made that one.
   budget = next((named for named in (KNOBS, DEVICE, MINIMUM)
-                 if budget == named), budget)
+                 if isinstance(budget, str)
+                 and budget.strip().lower() == named), budget)
   if host_budget is not None:
     parse_host_budget(host_budget)  # reject malformed budgets now
   else:

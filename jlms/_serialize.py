@@ -23,6 +23,7 @@ Pure function of a program, its liveness and its fusion analysis.
 from __future__ import annotations
 
 import fnmatch
+import warnings
 
 from jlms._liveness import Liveness
 from jlms._program import Program
@@ -46,6 +47,17 @@ def parse_serialize(items) -> tuple:
       raise ValueError(
           "jlms: serialize takes name patterns (str), equation ranges "
           f"(range or (start, stop)), got {item!r}")
+    if isinstance(parsed[-1], range) and (
+        len(parsed[-1]) == 0 or parsed[-1].start < 0
+        or parsed[-1].step != 1):
+      raise ValueError(
+          f"jlms: serialize range {item!r} chooses no equation: give "
+          "(start, stop) with 0 <= start < stop, equation indices as "
+          "print(plan) numbers them")
+    if isinstance(parsed[-1], str) and not parsed[-1].strip("* "):
+      raise ValueError(f"jlms: serialize pattern {item!r} matches every "
+                       "equation: give a part of a name, such as "
+                       "'*block_3/*'")
   return tuple(parsed)
 
 
@@ -58,7 +70,7 @@ def serialized_equations(program: Program, liveness: Liveness,
   # A pattern matches anywhere in the name ("**" matches as "*" does).
   patterns = [f"*{p}*" for p in serialize if isinstance(p, str)]
   ranges = [r for r in serialize if isinstance(r, range)]
-  chosen = set()
+  chosen, matched = set(), set()
   for index, equation in enumerate(program.equations):
     if not runs_in_place[index]:
       continue
@@ -71,6 +83,18 @@ def serialized_equations(program: Program, liveness: Liveness,
       continue
     if patterns:
       name = equation.readable_name()
-      if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+      found = {p for p in patterns if fnmatch.fnmatchcase(name, p)}
+      if found:
+        matched.update(found)
         chosen.add(index)
+  for item in serialize:
+    if (f"*{item}*" not in matched if isinstance(item, str)
+        else not any(i in chosen for i in item)):
+      example = next((e.readable_name() for e in program.equations
+                      if str(e.name_stack)), "")
+      warnings.warn(
+          f"jlms: serialize item {item!r} chooses no equation of the step "
+          "that runs as a kernel of its own; nothing is chained for it "
+          f"(names look like {example!r}; print(plan) lists them)",
+          stacklevel=2)
   return frozenset(chosen)

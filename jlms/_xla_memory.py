@@ -183,7 +183,20 @@ def target_devices(target: str = "h100", topology: str = "1x1x1") -> list:
     _check_target(target)
     if target == LOCAL_TARGET:
         return jax.devices()
+    _check_topology(topology)
     return list(_gpu_topology(target, topology).devices)
+
+
+def _check_topology(topology) -> None:
+    """ValueError saying what a topology is, where `topology` is not one:
+    three positive counts, `<slices>x<hosts>x<gpus per host>`."""
+    counts = (topology.split("x") if isinstance(topology, str) else [])
+    if len(counts) != 3 or not all(c.isdigit() and int(c) > 0
+                                   for c in counts):
+        raise ValueError(
+            f"jlms: topology {topology!r} is not '<slices>x<hosts>x<gpus "
+            "per host>' with each count at least 1, such as '1x1x8' for "
+            "one host of eight GPUs")
 
 
 def xla_memory(
@@ -234,6 +247,7 @@ def xla_memory_of_call(
     if target != LOCAL_TARGET:
         if topology is None:
             topology = _topology_of_arguments(target, (args, kwargs))
+        _check_topology(topology)
         devices = _gpu_topology(target, topology).devices
         args, kwargs = _place_on_target((args, kwargs), devices)
     lower = fn.lower if hasattr(fn, "lower") else jax.jit(fn).lower

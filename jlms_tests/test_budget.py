@@ -95,6 +95,11 @@ def test_a_named_budget_made_at_run_time_is_the_named_budget():
   made = "".join(["m", "in"])  # equal to "min", another object
   plan = jlms.offload(case.step, budget=made).plan(*case.abstract_args())
   assert plan.fitted and plan.budget_bytes is None
+  # In any case and with spaces around it, as a size may have them.
+  for spelled in (" Min ", "MIN"):
+    plan = jlms.offload(case.step, budget=spelled).plan(
+        *case.abstract_args())
+    assert plan.fitted and plan.budget_bytes is None
 
 
 @pytest.mark.parametrize("target", ["tpu-v9", "gh200"])
@@ -427,6 +432,8 @@ def test_an_impossible_budget_names_a_smallest_peak_above_it(resnet):
   if PLATFORM == "cpu":
     # No XLA to ask: the simulator's least-memory peak.
     assert f"smallest peak jlms reaches is {format_bytes(smallest)}" in message
+    # The host pool turned no copy down: raising it would not help.
+    assert "host budget" not in message
   else:
     # XLA for the local GPU: the smaller of its peaks of jax.jit's program
     # and of jlms's least-memory plan.
@@ -482,6 +489,10 @@ def test_a_host_budget_bounds_what_is_copied_out():
   assert 0 < bounded.predicted_host_bytes <= free.predicted_host_bytes // 2
   nothing = jlms.offload(case.step, budget="min", host_budget=1).plan(*args)
   assert nothing.predicted_host_bytes == 0 and nothing.recomputed
+  # Where it turns copies down, a budget not met says to raise it too.
+  with pytest.raises(jlms.BudgetError, match="or the host budget"):
+    jlms.offload(case.step, budget=nothing.predicted_peak_bytes // 2,
+                 host_budget=1, strict=True).plan(*args)
 
 
 def test_where_xla_finds_far_less_than_the_simulator_the_state_stays_on_device(

@@ -44,6 +44,18 @@ def test_patterns_ranges_and_sizes_choose_equations_that_run_in_place():
     OffloadConfig(serialize=[1.5])
 
 
+@pytest.mark.parametrize("item", [(5, 2), (3, 3), (-2, 4), "**"])
+def test_a_serialize_item_that_chooses_nothing_or_everything_is_refused(item):
+  with pytest.raises(ValueError, match="serialize"):
+    OffloadConfig(serialize=[item])
+
+
+def test_a_serialize_pattern_that_matches_nothing_warns_with_a_name():
+  with pytest.warns(UserWarning, match="'no_such_layer'.*names look like"):
+    _, chosen = _chosen(_small_case(), serialize=["no_such_layer"])
+  assert not chosen
+
+
 def test_serialized_step_is_chained_and_equals_jit():
   case = _small_case()
   args = case.make_args()

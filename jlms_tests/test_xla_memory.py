@@ -274,6 +274,14 @@ def test_target_devices_are_created_once_per_topology():
     assert target_devices("h100")[0].device_kind == "NVIDIA H100 80GB HBM3"
 
 
+@pytest.mark.parametrize("topology", ["0x0x0", "1x8", "1x1x-8", "eight"])
+def test_a_topology_that_is_not_three_counts_says_what_one_is(topology):
+    with pytest.raises(ValueError, match="<slices>x<hosts>x<gpus"):
+        target_devices("h100", topology)
+    with pytest.raises(ValueError, match="<slices>x<hosts>x<gpus"):
+        xla_memory(round_trip_with_barrier, SQUARE_F32, topology=topology)
+
+
 @pytest.mark.parametrize(
     "target, device_kind",
     [("h200", "NVIDIA H200"), ("a100", "NVIDIA A100-SXM4-80GB")],
