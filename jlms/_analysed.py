@@ -96,6 +96,11 @@ class PlannedStep:
   # The program was fitted to a budget by jlms: it is compiled with
   # `FITTED_COMPILER_OPTIONS`, as XLA confirmed it.
   fitted: bool = False
+  # (name, value) pairs of the XLA options a fitted program compiles and
+  # runs with, where the search chose them (the scheduler's memory limit
+  # for its budget, `jlms._schedule.scheduler_slop_factor`); empty:
+  # `FITTED_COMPILER_OPTIONS`.
+  compiler_options: tuple = ()
 
   @property
   def rewrites_the_step(self) -> bool:
@@ -235,16 +240,20 @@ class _HostArguments:
 
 
 def xla_compiled(jit_params, rewritten, abstract, target, donated=(),
-                 host_inputs=(), fitted: bool = True):
+                 host_inputs=(), fitted: bool = True, options=None):
   """XLA's `XlaMemory` of `rewritten` on `target` (its peak and its
   compiled program), its `donated` leaves donated as the step donates
   them (XLA reuses their buffers for outputs), its `host_inputs` leaves
-  taken from pinned host memory; compiled as a `fitted` plan runs
-  (`FITTED_COMPILER_OPTIONS`), or as jax.jit compiles the step."""
+  taken from pinned host memory; compiled as a `fitted` plan runs (with
+  `options`, else `FITTED_COMPILER_OPTIONS`), or as jax.jit compiles the
+  step."""
   def program_fn(*leaves):
     return _compat.bind_jit(jit_params, rewritten,
                             placed_for(leaves, host_inputs))
-  options = dict(FITTED_COMPILER_OPTIONS) if fitted else None
+  if not fitted:
+    options = None
+  elif not options:
+    options = dict(FITTED_COMPILER_OPTIONS)
   jitted = jax.jit(program_fn, donate_argnums=donated,
                    compiler_options=options)
   return xla_memory(_HostArguments(jitted, host_inputs), *abstract,
@@ -252,10 +261,10 @@ def xla_compiled(jit_params, rewritten, abstract, target, donated=(),
 
 
 def xla_peak(jit_params, rewritten, abstract, target, donated=(),
-             host_inputs=(), fitted: bool = True) -> int:
+             host_inputs=(), fitted: bool = True, options=None) -> int:
   """XLA's peak of `rewritten` on `target` (see `xla_compiled`)."""
   return xla_compiled(jit_params, rewritten, abstract, target, donated,
-                      host_inputs, fitted).peak_bytes
+                      host_inputs, fitted, options).peak_bytes
 
 
 def knobs_applied(plain, baseline, jit_params, debug_info, out_trees,

@@ -82,11 +82,10 @@ class OffloadedStep:
     self._jitted = jax.jit(_named_like(self._rewritten, fun),
                            **self.jit_options)
     # The same, for signatures whose program jlms fitted to a budget:
-    # compiled as XLA confirmed it, its rematerialization off.
-    self._jitted_fitted = jax.jit(
-        _named_like(self._rewritten, fun),
-        compiler_options=dict(FITTED_COMPILER_OPTIONS),
-        **self.jit_options)
+    # compiled as XLA confirmed it (its rematerialization off; where the
+    # plan copies over the link, the scheduler's memory limit of its
+    # budget), one jit for each set of options (`_fitted_jit`).
+    self._fitted_jits: dict = {}
     # The same, called inside another trace (the user's jit, vmap, grad),
     # donating nothing: a nested jit's donation is dropped anyway, and a
     # transformation's eager run of a donating program whose state comes
@@ -162,8 +161,18 @@ class OffloadedStep:
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
       return self._jitted_in_trace
     if analysis.failure is None and analysis.fitted:
-      return self._jitted_fitted
+      return self._fitted_jit(analysis.compiler_options)
     return self._jitted
+
+  def _fitted_jit(self, options: tuple):
+    """The step's rewritten program under `jax.jit` with XLA's `options`
+    ((name, value) pairs; empty: `FITTED_COMPILER_OPTIONS`), made once."""
+    if options not in self._fitted_jits:
+      self._fitted_jits[options] = jax.jit(
+          _named_like(self._rewritten, self._fun),
+          compiler_options=dict(options or FITTED_COMPILER_OPTIONS),
+          **self.jit_options)
+    return self._fitted_jits[options]
 
   def _has_fallen_back(self, args, kwargs) -> bool:
     """Whether jlms's program failed for these arguments' signature, which
@@ -373,7 +382,7 @@ class OffloadedStep:
     process when a compiled program that donates a pinned-host argument
     is called a second time with that argument in device memory."""
     program = self._program_for(args, kwargs)
-    if program is self._jitted_fitted:
+    if program in self._fitted_jits.values():
       analysis = self._analysis(args, kwargs)[0]
       if analysis.failure is None and analysis.state:
         # Lowered for the state in pinned host memory, as `__call__` runs

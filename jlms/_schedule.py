@@ -261,16 +261,67 @@ def predict_step_time(program: Program, liveness: Liveness,
 
 #: XLA's GPU scheduler: the share of the device's memory it schedules
 #: within, and the share of what is left after the program's arguments and
-#: outputs that it lets the program hold (`GetSchedulerMemoryLimit` in
-#: XLA's gpu_hlo_schedule.cc; the device's size cannot be set per compile
-#: from JAX, and jlms leaves `xla_gpu_memory_limit_slop_factor`, which
-#: scales the rest, at its default).
+#: outputs that it lets the program hold by default (`GetSchedulerMemoryLimit`
+#: in XLA's gpu_hlo_schedule.cc; the device's size cannot be set per
+#: compile from JAX; `xla_gpu_memory_limit_slop_factor` scales the rest,
+#: and jlms sets it for plans that copy over the link,
+#: `scheduler_slop_factor`).
 SCHEDULER_DEVICE_SHARE = 0.8
 SCHEDULER_SLOP = 0.95
 
 
+#: The share of what a budget leaves beside a plan's arguments and outputs
+#: that XLA's scheduler may hold while it overlaps copies, where jlms sets
+#: its limit (`scheduler_slop_factor`): under XLA's 95%, as the
+#: scheduler's estimate runs a little under the buffers XLA assigns.
+SCHEDULER_BUDGET_SHARE = 0.9
+
+
+def _held_bytes(program: Program) -> int:
+  """Device bytes of `program`'s arguments and outputs as XLA's scheduler
+  counts them: a donated input and the output it becomes once."""
+  def on_device(atom) -> int:
+    if not isinstance(atom, int) or _compat.is_host_aval(program.avals[atom]):
+      return 0
+    return aval_nbytes(program.avals[atom])
+  aliased = {out for _, out in donation_pairs(program)}
+  return (sum(on_device(v) for v in program.invars)
+          + sum(on_device(v) for p, v in enumerate(program.outvars)
+                if p not in aliased))
+
+
+def scheduler_slop_factor(program: Program, budget_bytes: int | None,
+                          device_bytes: int | None,
+                          host_temp_bytes: int = 0) -> int | None:
+  """XLA's `xla_gpu_memory_limit_slop_factor` (a percentage) that puts
+  its scheduler's memory limit for `program`, fitted to `budget_bytes`,
+  at `SCHEDULER_BUDGET_SHARE` of what the budget leaves beside the
+  program's arguments and outputs, plus the `host_temp_bytes` it holds in
+  host memory: the scheduler counts those as it counts device memory.
+  XLA's own limit is 95% of what 80% of the device leaves: for the 8B
+  Llama on an H100 (55.7 GiB of arguments on the device, 11 GiB of
+  activations on host), 7.2 GiB, where its plan holds 16.7 GiB of
+  temporaries on the device, so the scheduler runs each copy beside its
+  wait, those of the update loops too (2443 ms by the schedule model,
+  the same compiled with the factor at 277, which leaves the host's out;
+  at 1000, 1799 ms at 78.81 GiB). None where XLA's default gives as
+  much, where no factor gives room (the arguments and outputs alone past
+  80% of the device: the limit is negative), or where the budget or the
+  device is unknown."""
+  if budget_bytes is None or device_bytes is None:
+    return None
+  held = _held_bytes(program)
+  room = SCHEDULER_DEVICE_SHARE * device_bytes - held
+  if room <= 0 or budget_bytes <= held:
+    return None
+  wanted = SCHEDULER_BUDGET_SHARE * (budget_bytes - held) + host_temp_bytes
+  factor = int(100 * wanted / room)
+  return factor if factor > round(100 * SCHEDULER_SLOP) else None
+
+
 def scheduler_overlaps(program: Program, peak_bytes: int | None,
-                       device_bytes: int | None) -> bool:
+                       device_bytes: int | None,
+                       slop_factor: int | None = None) -> bool:
   """Whether XLA's latency-hiding scheduler will start `program`'s loop
   copies ahead of their waits: only while the program's device peak
   (`peak_bytes`; where None, its arguments and outputs alone) stays under
@@ -280,17 +331,13 @@ def scheduler_overlaps(program: Program, peak_bytes: int | None,
   each copy beside its wait (the 6.58B-parameter GPT with 65.6 GiB of
   state on an H100: its layers' inputs stream with every copy exposed,
   1730 ms by the schedule model where they would hide in 1254). Unknown
-  where the device's size is (None): taken to overlap."""
+  where the device's size is (None): taken to overlap. Under a
+  `slop_factor` (`scheduler_slop_factor`), the limit is that percentage of
+  the room, not XLA's default 95."""
   if device_bytes is None:
     return True
-  def on_device(atom) -> int:
-    if not isinstance(atom, int) or _compat.is_host_aval(program.avals[atom]):
-      return 0
-    return aval_nbytes(program.avals[atom])
-  aliased = {out for _, out in donation_pairs(program)}
-  held = (sum(on_device(v) for v in program.invars)
-          + sum(on_device(v) for p, v in enumerate(program.outvars)
-                if p not in aliased))
+  held = _held_bytes(program)
   room = SCHEDULER_DEVICE_SHARE * device_bytes - held
   peak = held if peak_bytes is None else peak_bytes
-  return room > 0 and peak - held <= SCHEDULER_SLOP * room
+  slop = SCHEDULER_SLOP if slop_factor is None else slop_factor / 100
+  return room > 0 and peak - held <= slop * room

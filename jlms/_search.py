@@ -27,7 +27,7 @@ import numbers
 import time
 from typing import Any
 
-from jlms import _thresholds
+from jlms import _compat, _thresholds
 from jlms._analysed import (AnalysedProgram, PlanNeeded, PlannedStep, as_is,
                             predict_times, rewrite_program,
                             rewrite_with_and_without_copies, serialized,
@@ -41,10 +41,11 @@ from jlms._liveness import aval_nbytes
 from jlms._plan import build_plan
 from jlms._options import DEVICE, SearchOptions
 from jlms._progress import Progress
-from jlms._schedule import per_device, scheduler_overlaps
+from jlms._schedule import (per_device, scheduler_overlaps,
+                            scheduler_slop_factor)
 from jlms._sharding import abstract_arguments, device_count, unseen_split
-from jlms._state import (HostState, host_state, largest_updates_first,
-                         state_pairs)
+from jlms._state import (FITTED_COMPILER_OPTIONS, HostState, host_state,
+                         largest_updates_first, state_pairs)
 from jlms._tradeoff import Tradeoff, TradeoffPoint
 from jlms._units import format_bytes
 from jlms._update_order import worth_holding_in_place
@@ -193,12 +194,44 @@ class SearchRequest:
     XLA's scheduler will overlap its streamed copies
     (`jlms._schedule.scheduler_overlaps`) on the request's target, whose
     memory counts `split` times where the sizes are the whole step's."""
-    device = (target_memory_bytes(self.target) if self.target is not None
-              else None)
-    if device is not None:
-      device *= self.split
     return dataclasses.replace(self.time, streams_hide=scheduler_overlaps(
-        program, peak_bytes, device))
+        program, peak_bytes, self._device_bytes(),
+        self.slop_factor(program)))
+
+  def _device_bytes(self) -> int | None:
+    if self.target is None:
+      return None
+    return target_memory_bytes(self.target) * self.split
+
+  def slop_factor(self, program, host_temp_bytes: int = 0) -> int | None:
+    """The scheduler's memory limit jlms compiles `program` with where it
+    copies over the link (`jlms._schedule.scheduler_slop_factor`), for the
+    request's budget; None for XLA's default."""
+    budget = None if self.budget is None else self.budget * self.split
+    return scheduler_slop_factor(program, budget, self._device_bytes(),
+                                 host_temp_bytes)
+
+  def compiler_options(self, candidate) -> dict:
+    """The XLA options `candidate` (a fit, rewritten) compiles and runs
+    with: `FITTED_COMPILER_OPTIONS`, and where it copies over the link,
+    the scheduler's memory limit for its budget."""
+    options = dict(FITTED_COMPILER_OPTIONS)
+    placed, result = candidate.placed, candidate.result
+    copies = (placed.state_copies or candidate.residuals
+              or any(not o.is_recompute for o in result.offloads))
+    # What the plan holds on host beside the state it takes from there:
+    # its activations copied out, its streamed stacks.
+    host_state = sum(aval_nbytes(placed.program.avals[v])
+                     for v in placed.program.invars
+                     if _compat.is_host_aval(placed.program.avals[v]))
+    host_temps = max(0, result.timeline.host_peak_bytes - host_state)
+    factor = (self.slop_factor(placed.program, host_temps) if copies
+              else None)
+    if factor is not None:
+      options["xla_gpu_memory_limit_slop_factor"] = factor
+    log.debug("jlms: XLA's scheduler memory limit for this plan: slop "
+              "factor %s (copies over the link: %s)", factor, bool(copies))
+    return options
 
   def as_is(self, budget, xla, reason=None) -> PlannedStep:
     """jax.jit's program, with its plan (its times per device, for a
@@ -214,7 +247,7 @@ class SearchRequest:
     return dataclasses.replace(planned, plan=plan)
 
   def xla_peak(self, rewritten, host_inputs=(), fitted=True,
-               key=None) -> int:
+               key=None, options=None) -> int:
     """XLA's peak on the request's target of `rewritten`, compiled as a
     `fitted` plan runs (XLA's rematerialization off), or as jax.jit
     compiles the step; the seconds it took go to `compile_seconds`, and
@@ -225,13 +258,15 @@ class SearchRequest:
     devices = device_count(self.leaves)
     if devices > 1:  # what the devices exchange, from the same compile
       memory = xla_compiled(self.jit_params, rewritten, self.abstract,
-                            self.target, self.donated, host_inputs, fitted)
+                            self.target, self.donated, host_inputs, fitted,
+                            options)
       self.exchanged[id(rewritten) if key is None else key] = (
           collective_bytes(memory.hlo_text, devices))
       peak = memory.peak_bytes
     else:
       peak = xla_peak(self.jit_params, rewritten, self.abstract,
-                      self.target, self.donated, host_inputs, fitted)
+                      self.target, self.donated, host_inputs, fitted,
+                      options)
     self.compile_seconds.append(time.perf_counter() - start)
     return peak
 
@@ -459,6 +494,8 @@ class _Candidate:
   rewritten: Any
   without_copies: Any
   measured: int | None = None
+  # The XLA options it compiles and runs with (`SearchRequest.compiler_options`).
+  compiler_options: dict = dataclasses.field(default_factory=dict)
 
 
 def _rewritten(request: SearchRequest, config, fitted) -> _Candidate:
@@ -471,7 +508,10 @@ def _rewritten(request: SearchRequest, config, fitted) -> _Candidate:
                                          result.timeline.peak_bytes),
       serialized=serialized(placed.program, placed.liveness, config,
                             placed.fusion))
-  return _Candidate(placed, residuals, result, rewritten, without_copies)
+  candidate = _Candidate(placed, residuals, result, rewritten,
+                         without_copies)
+  candidate.compiler_options = request.compiler_options(candidate)
+  return candidate
 
 
 #: A host budget no plan reaches: `_host_needed`'s search.
@@ -608,7 +648,9 @@ def _search_budget(request: SearchRequest, plain_peak,
   chosen = _rewritten(request, config, fitted)
   if target is None:
     return _planned(request, config, chosen)
-  chosen.measured = request.xla_peak(chosen.rewritten, plain.state.inputs)
+  chosen.measured = request.xla_peak(
+      chosen.rewritten, plain.state.inputs,
+      options=chosen.compiler_options)
   log.info("jlms: XLA's peak on %s: %s (budget %s)", target,
            format_bytes(chosen.measured),
            "none" if budget is None else format_bytes(budget))
@@ -649,8 +691,9 @@ def _least_by_xla(request: SearchRequest, config, chosen: _Candidate,
       > chosen.result.timeline.peak_bytes * _LEAST_PEAK_COMPARED):
     return chosen
   candidate = _rewritten(request, config, other)
-  candidate.measured = request.xla_peak(candidate.rewritten,
-                                        request.plain.state.inputs)
+  candidate.measured = request.xla_peak(
+      candidate.rewritten, request.plain.state.inputs,
+      options=candidate.compiler_options)
   log.info("jlms: XLA's peak on %s of the next least-memory way: %s",
            request.target, format_bytes(candidate.measured))
   return candidate if candidate.measured < chosen.measured else chosen
@@ -687,7 +730,9 @@ def _confirmed(request: SearchRequest, config, chosen: _Candidate, searched,
             least = chosen  # compiled already
           else:
             least = _rewritten(request, config, fitted)
-            least.measured = request.xla_peak(least.rewritten, host_inputs)
+            least.measured = request.xla_peak(
+                least.rewritten, host_inputs,
+                options=least.compiler_options)
             compiles += 1
             log.info("jlms: XLA's peak on %s of a least-memory plan: %s",
                      target, format_bytes(least.measured))
@@ -719,7 +764,8 @@ def _confirmed(request: SearchRequest, config, chosen: _Candidate, searched,
         simulator_refused = True  # no smaller plan of this kind: say so
         continue
     chosen = _rewritten(request, config, fitted)
-    chosen.measured = request.xla_peak(chosen.rewritten, host_inputs)
+    chosen.measured = request.xla_peak(
+        chosen.rewritten, host_inputs, options=chosen.compiler_options)
     smallest = min(smallest, chosen.measured)
     compiles += 1
     log.info("jlms: XLA's peak on %s: %s (budget %s)", target,
@@ -769,8 +815,9 @@ def _faster_fit(request: SearchRequest, config, chosen: _Candidate,
       >= (1 - faster_by) * chosen.result.step_time.total_s):
     return None
   candidate = _rewritten(request, config, faster)
-  candidate.measured = request.xla_peak(candidate.rewritten,
-                                        request.plain.state.inputs)
+  candidate.measured = request.xla_peak(
+      candidate.rewritten, request.plain.state.inputs,
+      options=candidate.compiler_options)
   log.info("jlms: XLA's peak on %s of a faster plan: %s", request.target,
            format_bytes(candidate.measured))
   return candidate
@@ -800,7 +847,9 @@ def _planned(request: SearchRequest, config, chosen: _Candidate
                      request.out_trees[-1], chosen.rewritten,
                      request.jit_params,
                      rewrite_without_copies=chosen.without_copies,
-                     state=plain.state, fitted=True)
+                     state=plain.state, fitted=True,
+                     compiler_options=tuple(sorted(
+                         chosen.compiler_options.items())))
 
 
 def _ways(request: SearchRequest):

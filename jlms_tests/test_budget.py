@@ -509,7 +509,8 @@ def test_where_xla_finds_far_less_than_the_simulator_the_state_stays_on_device(
   compiled = []
 
   def half_of_the_simulators(jit_params, rewritten, abstract, target,
-                             donated=(), host_inputs=(), fitted=True):
+                             donated=(), host_inputs=(), fitted=True,
+                             options=None):
     program = flatten(rewritten)
     compiled.append(host_inputs)
     return simulate(program, analyse(program)).peak_bytes // 2
@@ -545,7 +546,7 @@ def test_a_step_that_xla_rematerializes_to_fit_runs_without_the_pass(
   compiled = []
 
   def stand_in(jit_params, rewritten, abstract, target, donated=(),
-               host_inputs=(), fitted=True):
+               host_inputs=(), fitted=True, options=None):
     compiled.append(fitted)
     if len(compiled) <= 2:  # jax.jit's program, with and without the pass
       peak = 0.8 if not fitted else max(without_pass, 0.8)

@@ -21,7 +21,8 @@ from jlms._loop_remat import (cheapest, loop_rematerializations,
 from jlms._loops import find_scan_residuals
 from jlms._program import flatten
 from jlms._variants import loops_unwrapped
-from jlms._schedule import predict_step_time, scheduler_overlaps
+from jlms._schedule import (predict_step_time, scheduler_overlaps,
+                            scheduler_slop_factor)
 from jlms._cost import kernel_seconds
 from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
 
@@ -100,6 +101,35 @@ def test_xlas_scheduler_overlaps_only_under_its_memory_limit():
   # A peak past the room left after them.
   assert not scheduler_overlaps(small, 70 * GIB, device)
   assert scheduler_overlaps(small, 70 * GIB, None)  # size unknown
+
+
+def test_a_plans_scheduler_limit_is_the_room_its_budget_leaves():
+  """Fitted to a budget past 80% of the device, a plan is compiled with
+  XLA's scheduler limit scaled to the room the budget leaves beside its
+  arguments and outputs, and its copies are priced as overlapped up to
+  that room; XLA's default where the budget leaves no more, and nothing
+  where no factor helps."""
+  def program_of(nbytes):
+    x = jax.ShapeDtypeStruct((nbytes // 4,), jnp.float32)
+    return flatten(jax.make_jaxpr(lambda x: x * 2)(x))
+
+  device = 80 * GIB
+  held = program_of(28 * GIB)  # in + out: 56 GiB; XLA's room 8 GiB
+  factor = scheduler_slop_factor(held, 79 * GIB, device)
+  # 90% of the 23 GiB the budget leaves, as a share of XLA's 8 GiB room;
+  # and what the plan holds on host besides, which XLA's scheduler counts.
+  assert factor == int(100 * 0.9 * 23 / 8)
+  assert scheduler_slop_factor(held, 79 * GIB, device, 4 * GIB) == int(
+      100 * (0.9 * 23 + 4) / 8)
+  assert not scheduler_overlaps(held, 70 * GIB, device)
+  assert scheduler_overlaps(held, 70 * GIB, device, factor)
+  assert not scheduler_overlaps(held, 78 * GIB, device, factor)
+  # A budget that leaves no more than XLA's own limit; unknown sizes.
+  assert scheduler_slop_factor(held, 62 * GIB, device) is None
+  assert scheduler_slop_factor(held, None, device) is None
+  assert scheduler_slop_factor(held, 79 * GIB, None) is None
+  # Arguments and outputs past 80% of the device: the limit is negative.
+  assert scheduler_slop_factor(program_of(34 * GIB), 79 * GIB, device) is None
 
 
 def test_the_least_memory_of_a_scanned_mlp_streams_layer_inputs_and_remakes_the_rest():

@@ -140,7 +140,7 @@ def test_a_refused_plan_is_followed_by_the_next_way_then_a_tighter_fit(
   compiled = []
 
   def stand_in(jit_params, rewritten, abstract, target, donated=(),
-               host_inputs=(), fitted=True):
+               host_inputs=(), fitted=True, options=None):
     program = flatten(rewritten)
     segments = any("remat_segment" in str(e.name_stack)
                    for e in program.equations)
@@ -177,7 +177,7 @@ def test_the_least_memory_is_the_plan_xla_puts_lowest(monkeypatch):
   compiled = []
 
   def stand_in(jit_params, rewritten, abstract, target, donated=(),
-               host_inputs=(), fitted=True):
+               host_inputs=(), fitted=True, options=None):
     program = flatten(rewritten)
     peak = simulate(program, analyse(program)).peak_bytes
     if any("remat_segment" in str(e.name_stack) for e in program.equations):
