@@ -217,20 +217,20 @@ class SearchRequest:
     the scheduler's memory limit for its budget."""
     options = dict(FITTED_COMPILER_OPTIONS)
     placed, result = candidate.placed, candidate.result
-    copies = (placed.state_copies or candidate.residuals
-              or any(not o.is_recompute for o in result.offloads))
+    if not (placed.state_copies or candidate.residuals
+            or any(not o.is_recompute for o in result.offloads)):
+      return options  # nothing over the link: XLA's default limit
     # What the plan holds on host beside the state it takes from there:
     # its activations copied out, its streamed stacks.
-    host_state = sum(aval_nbytes(placed.program.avals[v])
-                     for v in placed.program.invars
-                     if _compat.is_host_aval(placed.program.avals[v]))
-    host_temps = max(0, result.timeline.host_peak_bytes - host_state)
-    factor = (self.slop_factor(placed.program, host_temps) if copies
-              else None)
+    taken_from_host = sum(aval_nbytes(placed.program.avals[v])
+                          for v in placed.program.invars
+                          if _compat.is_host_aval(placed.program.avals[v]))
+    factor = self.slop_factor(placed.program, max(
+        0, result.timeline.host_peak_bytes - taken_from_host))
     if factor is not None:
       options["xla_gpu_memory_limit_slop_factor"] = factor
     log.debug("jlms: XLA's scheduler memory limit for this plan: slop "
-              "factor %s (copies over the link: %s)", factor, bool(copies))
+              "factor %s", factor)
     return options
 
   def as_is(self, budget, xla, reason=None) -> PlannedStep:
