@@ -245,6 +245,14 @@ def has_plain_layout(aval) -> bool:
   return dtype is not None and not is_extended_dtype(dtype)
 
 
+def passes_a_barrier(aval) -> bool:
+  """An array that `optimization_barrier` takes: one with a layout of its
+  own, or a PRNG key (every JAX this supports ties typed keys, as its own
+  checkpoint does); not a token."""
+  return getattr(aval, "dtype", None) is not None and getattr(
+      aval, "shape", None) is not None
+
+
 def under_a_trace() -> bool:
   """Whether any JAX trace (jit, scan, vmap, grad, ...) is active: a
   constant-time check before looking for tracers among many leaves."""

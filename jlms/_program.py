@@ -186,7 +186,7 @@ def _barrier_remat_inputs(eqn, inputs, stack, new_id, equations) -> list:
   outputs of one optimization barrier appended to `equations`."""
   positions = [i for i in _compat.remat_barrier_positions(eqn)
                if isinstance(inputs[i], int)
-               and _compat.has_plain_layout(eqn.invars[i].aval)]
+               and _compat.passes_a_barrier(eqn.invars[i].aval)]
   if not positions:
     return list(inputs)
   avals = [eqn.invars[i].aval for i in positions]

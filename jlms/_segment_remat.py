@@ -23,6 +23,10 @@ found from the program's data flow, with no names or layer classes:
   the end of the pass, where it carries next to nothing);
 - `segment_remats` (analysis): per segment, the equations that remake
   what its backward pass reads, and where;
+- `kept_tail` (analysis): how many of the last segments may keep their
+  activations instead, at little or no cost to the peak: the backward
+  pass reads them first, right after the loss, so where the step's peak
+  lies later (its backward pass) keeping them only saves their re-run;
 - `rematerialize_segments` (rewrite): the new `Program`. Each segment's
   remaking runs before the first backward equation that reads one of its
   activations. Its inputs go through one optimization barrier with that
@@ -203,6 +207,51 @@ def _segment(program, liveness, start, stop, end) -> SegmentRemat | None:
   return SegmentRemat(tuple(sorted(chain)), tuple(remade), first_read)
 
 
+def kept_tail(profile: np.ndarray, liveness: Liveness,
+              remats: tuple[SegmentRemat, ...], end: int,
+              materialized: np.ndarray | None = None,
+              rise: float = 0.0) -> int:
+  """How many of the last of `remats` (in forward order; `end` the
+  first backward equation) can be left out, their activations kept, with
+  the program's peak at most `rise` (a share) above its peak with all of
+  them remade.
+
+  `profile`: the device bytes alive at each equation of the program as it
+  is (`live_bytes_by_equation`, or the simulator's timeline, which knows
+  what XLA fuses away); `materialized`: which values have a buffer of
+  their own (all where None). Remaking a segment frees each value it
+  remakes from its last forward read to the segment's place in the
+  backward pass (its copy lives from there on); keeping it adds that gap
+  back. Segments are added back from the last while the peak stays.
+  Conservative: the remade chain's own temporaries, which raise the peak
+  of the all-remade program at each place, are not counted.
+  """
+  if not remats:
+    return 0
+  profile = np.asarray(profile, dtype=np.int64)[:liveness.end]
+  gaps = []
+  for remat in remats:
+    delta = np.zeros(len(profile) + 1, dtype=np.int64)
+    for value in remat.remade:
+      if materialized is not None and not materialized[value]:
+        continue
+      freed_from = max(_last_forward_read(liveness, value, end),
+                       liveness.producer[value]) + 1
+      if freed_from < remat.before:
+        delta[freed_from] += liveness.nbytes[value]
+        delta[remat.before] -= liveness.nbytes[value]
+    gaps.append(np.cumsum(delta)[:len(profile)])
+  profile = profile - np.sum(gaps, axis=0)
+  peak = profile.max() * (1 + rise)
+  kept = 0
+  for gap in reversed(gaps):
+    profile = profile + gap
+    if profile.max() > peak:
+      break
+    kept += 1
+  return kept
+
+
 def rematerialize_segments(program: Program,
                            remats: tuple[SegmentRemat, ...]) -> Program:
   """`program` with each of `remats` re-run where it says (see the module
@@ -250,9 +299,11 @@ def _remade(program, remat, before: Equation, read, renamed, new_id,
   leaves = [a for a in dict.fromkeys(
       a for i in remat.chain for a in program.equations[i].inputs
       if isinstance(a, int)) if a not in made]
-  # Only arrays with a layout of their own go through a barrier (a PRNG
-  # key is remade from its own copy, or read as it is).
-  tied = [a for a in leaves if _compat.has_plain_layout(program.avals[a])]
+  # PRNG keys go through the barrier too: a dropout mask made from a key
+  # alone, untied, is one computation with the forward pass's mask, and XLA
+  # merges the two and hoists them: GPT-2 medium's 49 masks (392 MiB) were
+  # made at the step's start and held to their backward reads.
+  tied = [a for a in leaves if _compat.passes_a_barrier(program.avals[a])]
   waits_for = [a for a in dict.fromkeys(before.inputs)
                if isinstance(a, int) and a in made_backward
                and a not in tied and _compat.has_plain_layout(program.avals[a])]

@@ -10,7 +10,7 @@ import pytest
 import jlms
 from jlms import _compat, _search, _segment_remat
 from jlms._config import OffloadConfig
-from jlms._liveness import analyse
+from jlms._liveness import analyse, live_bytes_by_equation
 from jlms._program import flatten
 from jlms._rewrite import rewrite
 from jlms._simulator import simulate
@@ -111,6 +111,76 @@ def test_remade_segments_hold_less_than_the_step_as_it_is():
   # and its gelu's input) are held by one block at a time, not all.
   hidden = BATCH * SEQ * HIDDEN * 4
   assert after <= before - (LAYERS - 2) * hidden
+
+
+def test_the_last_segments_kept_are_as_many_as_leave_the_peak_as_it_is():
+  # The backward pass reads the last blocks first: keeping their
+  # activations costs nothing where the peak lies later; one more kept
+  # segment raises the simulator's peak.
+  program, liveness, _ = _program()
+  cuts = _segment_remat.forward_cuts(program, liveness)
+  end = _segment_remat.forward_end(program)
+  profile = live_bytes_by_equation(liveness)
+
+  def peak(remats):
+    remade = _segment_remat.rematerialize_segments(program, remats)
+    return simulate(remade, analyse(remade), ()).peak_bytes
+
+  for every in (1, 2):
+    remats = _segment_remat.segment_remats(program, liveness, cuts, every)
+    kept = _segment_remat.kept_tail(profile, liveness, remats, end)
+    assert 1 <= kept < len(remats)
+    assert peak(remats[:-kept]) == peak(remats)
+    assert peak(remats[:-kept - 1]) > peak(remats)
+    # Allowed a rise of the peak, it keeps more, within that rise.
+    more = _segment_remat.kept_tail(profile, liveness, remats, end,
+                                    rise=1.0)
+    assert kept < more < len(remats)
+    assert peak(remats[:-more]) <= 2 * peak(remats)
+
+
+def _dropout_program():
+  """`_step`'s blocks with dropout drawn from a typed PRNG key per block."""
+  def loss_fn(params, x, key):
+    for index, layer in enumerate(params):
+      keep = jax.random.bernoulli(jax.random.fold_in(key, index), 0.9,
+                                  x.shape)
+      x = _block(jnp.where(keep, x / 0.9, 0.0), layer)
+    return jnp.mean(x ** 2)
+
+  def step(params, x, key):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, key)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+  _, (params, x) = _step()
+  args = (params, x, jax.random.key(3))
+  program = flatten(jax.make_jaxpr(step)(*args))
+  return program, analyse(program), args
+
+
+def test_a_remade_dropout_mask_reads_its_key_through_the_barrier():
+  # Untied, the remade mask is the forward's mask computed again from the
+  # same key: XLA merges the two, makes every block's mask at the step's
+  # start and holds them all to the backward pass (GPT-2 medium: 49 masks,
+  # 392 MiB of XLA's peak at remat's budget).
+  program, liveness, args = _dropout_program()
+  cuts = _segment_remat.forward_cuts(program, liveness)
+  remats = _segment_remat.segment_remats(program, liveness, cuts)
+  remade = _segment_remat.rematerialize_segments(program, remats)
+  from_barrier = {v for e in remade.equations
+                  if e.primitive is _compat.barrier_p for v in e.outputs}
+  key_reads = [a for e in remade.equations
+               if "rematted_computation" in str(e.name_stack)
+               for a in e.inputs if isinstance(a, int)
+               and _compat.is_extended_dtype(remade.avals[a].dtype)]
+  assert key_reads
+  made_in_chain = {v for e in remade.equations
+                   if "rematted_computation" in str(e.name_stack)
+                   for v in e.outputs}
+  assert all(a in from_barrier or a in made_in_chain for a in key_reads)
+  for want, got in zip(_run(program, args), _run(remade, args)):
+    assert max_relative_error(np.asarray(got), np.asarray(want)) \
+        <= F32_TOLERANCE
 
 
 def test_a_step_without_a_gradient_has_no_cuts():
