@@ -110,7 +110,9 @@ def main(argv=None) -> None:
   jax.config.update("jax_platforms", "cpu")
   yardstick = load_yardstick()
   rows = []
-  for name in options.models:
+  # Importing `gemma` replaces Flax's `Module.param` for the whole process
+  # (`real_models.gemma2`): the other models are built first.
+  for name in sorted(options.models, key=lambda name: name == "gemma2"):
     real = real_models.REAL_MODELS[name]("realistic")
     remat_row = None
     for config in options.configs:
