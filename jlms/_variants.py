@@ -17,8 +17,9 @@ fastest that fits. The ways, in order:
   carries least (a transformer's residual stream), and each segment's
   activations remade where its backward pass starts
   (`jlms._segment_remat`; every second cut of a transformer is per-block
-  remat), first with the last segments kept where that leaves the
-  peak as it is (`kept_tail`), then all of them remade.
+  remat), first with the last segments kept where that raises the
+  simulated peak by at most `_KEPT_TAIL_RISE` (`kept_tail`), then all of
+  them remade.
 
 Every way starts from the step's program with the runs of equations that
 alone bound its memory run over chunks of the batch (`jlms._batch_split`,
