@@ -368,10 +368,14 @@ class OffloadedStep:
     """Predicted step time against device budget for these arguments: the
     fastest fit (simulator and time model, no compile) of each budget in
     `budgets` (bytes or sizes), by default `points` budgets from the least
-    memory jlms reaches up to `jax.jit`'s predicted peak."""
+    memory jlms reaches up to `jax.jit`'s predicted peak. A donated state
+    is placed as a budget search places it: on the device where that
+    fits, else on host (unless `state_on_host=False`)."""
     plain = self._runnable_analysis(args, kwargs).plain
-    return tradeoff(self._planner.search_request(plain, None, None, (),
-                                                 [None]), budgets, points)
+    # The donated state may be placed on host, as a budget search does.
+    return tradeoff(self._planner.search_request(
+        plain, None, None, (), [None], donated=plain.program.donated),
+        budgets, points)
 
   def lower(self, *args, **kwargs) -> jax.stages.Lowered:
     """The `jax.stages.Lowered` of the program that runs: the rewritten

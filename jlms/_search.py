@@ -999,6 +999,27 @@ def relaxed_search(predicted: int, measured: int, budget: int) -> int | None:
   return int(predicted + 0.9 * room)
 
 
+def _placed_fit(request: SearchRequest, budget: int | None):
+  """`fastest_fit` of `budget` with the state placed as a budget search
+  places it (`state_levels`: on the device first, then on host, where the
+  step donates it): the first placement that fits; for the least memory
+  (None), the placement whose fit peaks lowest."""
+  levels = state_levels(dataclasses.replace(request, budget=budget))
+  fits, refused = [], None
+  for plain in levels:
+    try:
+      fits.append(fastest_fit(dataclasses.replace(request, plain=plain),
+                              budget))
+    except BudgetError as error:
+      refused = error
+      continue
+    if budget is not None:
+      break
+  if not fits:
+    raise refused
+  return min(fits, key=lambda fit: fit[2].timeline.peak_bytes)
+
+
 def tradeoff(request: SearchRequest, budgets=None, points: int = 6
              ) -> Tradeoff:
   """Predicted step time against device budget: the fastest fit
@@ -1018,7 +1039,7 @@ def tradeoff(request: SearchRequest, budgets=None, points: int = 6
   budgets = None if budgets is None else [parse_budget(b, device_bytes)
                                           for b in budgets]
   times, baseline = request.time, request.baseline
-  least = fastest_fit(request, None)[2]
+  least = _placed_fit(request, None)[2]
   if budgets is None:
     low, high = int(1.01 * least.timeline.peak_bytes), baseline.peak_bytes
     budgets = [int(low + (high - low) * i / max(points - 1, 1))
@@ -1026,7 +1047,7 @@ def tradeoff(request: SearchRequest, budgets=None, points: int = 6
   rows = []
   for budget in budgets:
     try:
-      _, residuals, result = fastest_fit(request, budget)
+      _, residuals, result = _placed_fit(request, budget)
     except BudgetError:
       rows.append(TradeoffPoint(budget, None, None, 0, 0, 0))
       continue
