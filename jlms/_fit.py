@@ -505,11 +505,37 @@ def _fits_host(problem: _Problem, timeline: MemoryTimeline,
   return fits
 
 
+#: A loop whose one iteration needs at least this share of the
+#: temporaries at the least peak is named in the budget's error.
+_LOOP_BOUND_SHARE = 0.5
+
+
+def _loop_working_memory(problem, timeline) -> str:
+  """", of which ... is one iteration of <loop>" where the least peak is
+  mostly what one iteration of a loop makes and drops inside its body
+  (a forward and backward pass in one `lax.scan` body, as gradient
+  accumulation writes it): no keep, remake or copy outside the loop
+  lowers that; fewer rows an iteration do. Empty otherwise."""
+  index = timeline.peak_index
+  if index >= len(problem.program):
+    return ""
+  working = int(problem.constants.working[index])
+  temporaries = timeline.peak_bytes - timeline.fixed_bytes
+  if working <= 0 or working < _LOOP_BOUND_SHARE * temporaries:
+    return ""
+  name = problem.program.equations[index].readable_name()
+  return (f", and {format_bytes(working)} that one iteration of the loop "
+          f"{name} (equation {index}) makes and drops inside its body: no "
+          "plan around the loop lowers that; fewer rows an iteration, or "
+          "jax.checkpoint on the layers inside it, do")
+
+
 def _smallest_error(problem, timeline, budget) -> BudgetError:
   error = BudgetError(
       f"jlms: the step does not fit a budget of {format_bytes(budget)}: the "
       f"smallest peak jlms reaches is {format_bytes(timeline.peak_bytes)} "
-      f"(arguments and outputs {format_bytes(timeline.fixed_bytes)}); raise "
+      f"(arguments and outputs {format_bytes(timeline.fixed_bytes)}"
+      f"{_loop_working_memory(problem, timeline)}); raise "
       "the budget to at least that" + (
           "" if not problem.host_budget_refused else
           f", or the host budget ({format_bytes(problem.host_budget)} of "

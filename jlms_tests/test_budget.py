@@ -508,6 +508,31 @@ def test_the_tradeoff_reaches_the_least_memory_with_the_state_on_host():
   assert all(p.predicted_peak_bytes <= p.budget_bytes for p in fits)
 
 
+def test_a_budget_bounded_by_a_loop_body_names_the_loop():
+  # Gradient accumulation by a scan: each iteration runs a microbatch's
+  # forward and backward pass inside the body, whose activations no plan
+  # around the loop touches. The error says so, and what lowers it.
+  def loss(params, x):
+    for w in params:
+      x = jax.numpy.tanh(x @ w)
+    return jax.numpy.mean(x ** 2)
+
+  def step(params, xs):
+    def body(total, x):
+      return jax.tree.map(jax.numpy.add, total,
+                          jax.grad(loss)(params, x)), None
+    grads, _ = jax.lax.scan(body, jax.tree.map(jax.numpy.zeros_like,
+                                               params), xs)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+  params = [jax.ShapeDtypeStruct((128, 128), "float32")] * 8
+  xs = jax.ShapeDtypeStruct((2, 2048, 128), "float32")
+  with pytest.raises(jlms.BudgetError,
+                     match=r"one iteration of the loop .*scan.* makes and "
+                     r"drops inside its body.*fewer rows an iteration"):
+    jlms.offload(step, budget="8MiB").plan(params, xs)
+
+
 def test_a_host_budget_bounds_what_is_copied_out():
   # A GPT whose least memory copies a few MiB to host (an MLP's remakes
   # everything once its updates run beside its gradients).
