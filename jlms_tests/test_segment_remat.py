@@ -201,8 +201,10 @@ def test_a_python_loop_model_planned_at_a_tight_budget_gives_jits_outputs():
 @pytest.mark.parametrize("tighter_fits", [False, True])
 def test_a_refused_plan_is_followed_by_the_next_way_then_a_tighter_fit(
     monkeypatch, tighter_fits):
-  """XLA refuses the fastest way's plan (values remade one by one): the
-  search compiles the next fastest way's (segments remade), which fits,
+  """XLA refuses the fastest way's plan (values remade one by one) by 10%
+  (far enough that the simulator's error for that way is not small: see
+  `test_a_plan_xla_puts_just_over_the_budget_is_fitted_tighter_first`):
+  the search compiles the next fastest way's (segments remade), which fits,
   and then once a tighter fit of every way, which it takes only where XLA
   says that one fits too."""
   step, args = _step()
@@ -220,7 +222,7 @@ def test_a_refused_plan_is_followed_by_the_next_way_then_a_tighter_fit(
       peak = simulate(program, analyse(program)).peak_bytes
     else:
       tighter = any(not s for f, s, _ in compiled[1:])
-      peak = budget - 1 if tighter and tighter_fits else budget + 1
+      peak = budget - 1 if tighter and tighter_fits else int(1.1 * budget)
     compiled.append((fitted, segments, peak))
     return peak
 
