@@ -511,11 +511,11 @@ _LOOP_BOUND_SHARE = 0.5
 
 
 def _loop_working_memory(problem, timeline) -> str:
-  """", of which ... is one iteration of <loop>" where the least peak is
-  mostly what one iteration of a loop makes and drops inside its body
-  (a forward and backward pass in one `lax.scan` body, as gradient
-  accumulation writes it): no keep, remake or copy outside the loop
-  lowers that; fewer rows an iteration do. Empty otherwise."""
+  """The clause of the budget error that names a loop (", and <bytes>
+  that one iteration of the loop <name> makes and drops inside its body:
+  ...") where the least peak is mostly that (a forward and backward pass
+  in one `lax.scan` body, as gradient accumulation writes it): no keep,
+  remake or copy outside the loop lowers it. Empty otherwise."""
   index = timeline.peak_index
   if index >= len(problem.program):
     return ""

@@ -372,7 +372,6 @@ class OffloadedStep:
     is placed as a budget search places it: on the device where that
     fits, else on host (unless `state_on_host=False`)."""
     plain = self._runnable_analysis(args, kwargs).plain
-    # The donated state may be placed on host, as a budget search does.
     return tradeoff(self._planner.search_request(
         plain, None, None, (), [None], donated=plain.program.donated),
         budgets, points)
