@@ -514,8 +514,9 @@ def _loop_working_memory(problem, timeline) -> str:
   """The clause of the budget error that names a loop (", and <bytes>
   that one iteration of the loop <name> makes and drops inside its body:
   ...") where the least peak is mostly that (a forward and backward pass
-  in one `lax.scan` body, as gradient accumulation writes it): no keep,
-  remake or copy outside the loop lowers it. Empty otherwise."""
+  in one `lax.scan` body, as gradient accumulation writes it): what
+  `jlms._body_remat` remakes inside it aside, no keep, remake or copy
+  lowers it. Empty otherwise."""
   index = timeline.peak_index
   if index >= len(problem.program):
     return ""
@@ -525,9 +526,9 @@ def _loop_working_memory(problem, timeline) -> str:
     return ""
   name = problem.program.equations[index].readable_name()
   return (f", and {format_bytes(working)} that one iteration of the loop "
-          f"{name} (equation {index}) makes and drops inside its body: no "
-          "plan around the loop lowers that; fewer rows an iteration, or "
-          "jax.checkpoint on the layers inside it, do")
+          f"{name} (equation {index}) makes and drops inside its body, "
+          "as far as jlms remakes it there: fewer rows an iteration lower "
+          "that")
 
 
 def _smallest_error(problem, timeline, budget) -> BudgetError:

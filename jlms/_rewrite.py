@@ -57,6 +57,7 @@ from jlms._config import OffloadConfig, SyncMode
 from jlms._names import profile_scope
 from jlms._planner import Offload, shared_kernels
 from jlms._program import Const, Program
+from jlms._segment_remat import REMAKING_SCOPE
 from jlms._update_order import update_tail
 
 
@@ -71,7 +72,8 @@ def _tieable(atom) -> bool:
 def rewrite(program: Program, offloads: tuple[Offload, ...],
             config: OffloadConfig, debug_info=None, transfers: bool = True,
             fusion=None, serialized: frozenset = frozenset(),
-            pin_contractions: bool = False, pin_updates: bool = False):
+            pin_contractions: bool = False, pin_updates: bool = False,
+            pin_before: tuple[int, ...] = ()):
   """The closed jaxpr of `program` with `offloads` applied.
 
   `fusion` (from `jlms._simulator.analyse_fusion`, with the offloaded values
@@ -90,6 +92,9 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
   expect. With `pin_updates` too, so must the equations of the
   optimizer's update that write the new parameters and moments
   (`jlms._update_order` places them where the gradients are made).
+  `pin_before` names more such places: equations of the program's own
+  (a remaking's barrier, `jlms._segment_remat`), whose inputs then wait
+  for those contractions.
 
   With `transfers=False` the same barriers are emitted but the values stay
   on the device: the schedule's constraints without the copies, which is
@@ -146,8 +151,10 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
 
   executes_at = None if fusion is None else fusion.executes_at
   postponable = (_postponable_contractions(
-      program, sorted(set(swap_in_before) | set(recompute_before)),
+      program, sorted(set(swap_in_before) | set(recompute_before)
+                      | set(pin_before)),
       pin_updates) if pin_contractions else frozenset())
+  pin_before = frozenset(pin_before) if pin_contractions else frozenset()
 
   def has_buffer(value: int) -> bool:
     return fusion is None or bool(fusion.materialized[value])
@@ -289,6 +296,17 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
 
     if equation is None:
       break
+    if index in pin_before and offloaded_reader_outputs:
+      # As before a swap-in: a contraction XLA would postpone past here
+      # (a weight gradient, split K ways, whose partial sums it would hold
+      # to the loop body's end) runs first.
+      pending = [a for a in dict.fromkeys(live(offloaded_reader_outputs))
+                 if _tieable(env[a]) and has_buffer(a)]
+      if pending:
+        env.update(zip(pending, tie_to_inputs(
+            [env[a] for a in pending], equation.inputs, anchor,
+            REMAKING_SCOPE)))
+      offloaded_reader_outputs = []
     if index in serialized:
       previous = [a for a in live(serial_outputs) if _tieable(env[a])]
       if previous:

@@ -59,6 +59,8 @@ _CUT_SLACK = 1.5
 #: carry almost nothing: a key, the labels; its loss may carry 40 times
 #: a layer's residual, GPT-2's logits).
 _MIDDLE_SHARE = 1 / 16
+#: The scope of the barrier that ties a remaking to its place.
+REMAKING_SCOPE = "jlms/remat_segment"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,7 +313,7 @@ def _remade(program, remat, before: Equation, read, renamed, new_id,
   out = []
   if barrier_inputs:
     outputs = tuple(new_id(program.avals[a]) for a in tied + waits_for)
-    scope = "jlms/remat_segment"
+    scope = REMAKING_SCOPE
     vars_in = [_compat.new_var(program.avals[a]) for a in tied + waits_for]
     vars_out = [_compat.new_var(program.avals[a]) for a in tied + waits_for]
     template = _compat.barrier_equation(vars_in, vars_out, before.eqn, scope)

@@ -19,7 +19,10 @@ fastest that fits. The ways, in order:
   (`jlms._segment_remat`; every second cut of a transformer is per-block
   remat), first with the last segments kept where that raises the
   simulated peak by at most `_KEPT_TAIL_RISE` (`kept_tail`), then all of
-  them remade.
+  them remade;
+- `BodiesRemaking(every)`: loops whose body runs a whole forward and
+  backward pass (gradient accumulation) remaking inside it, as the last
+  two do for the step (`jlms._body_remat`).
 
 Every way starts from the step's program with the runs of equations that
 alone bound its memory run over chunks of the batch (`jlms._batch_split`,
@@ -44,6 +47,7 @@ from typing import Iterator
 from jlms import _thresholds
 from jlms._analysed import AnalysedProgram
 from jlms._batch_split import split_runs
+from jlms._body_remat import bodies_with_backward, remade_in_bodies
 from jlms._config import OffloadConfig
 from jlms._cost import time_target
 from jlms._liveness import analyse
@@ -251,6 +255,31 @@ class SegmentsRemaking:
         yield start.way(program, analyse(program), (), described)
 
 
+@dataclasses.dataclass(frozen=True)
+class BodiesRemaking:
+  """Loops whose body runs a forward and a backward pass (gradient
+  accumulation by `lax.scan`) remaking, inside that body, each segment's
+  activations between every `every`-th cut of its forward pass, and the
+  residuals of its own scans (`jlms._body_remat`)."""
+  every: tuple = (1, 2)
+
+  def ways(self, start, sunk: _Sunk, config, target) -> Iterator[Way]:
+    seen = set()
+    for every in self.every:
+      remats = bodies_with_backward(
+          start.program, _thresholds.THRESHOLDS.segment_remat_min_bytes,
+          every)
+      key = tuple((r.index, r.freed) for r in remats)
+      if not remats or key in seen:
+        continue
+      seen.add(key)
+      program = remade_in_bodies(start.program, remats)
+      yield start.way(
+          program, analyse(program), (),
+          f"{len(remats)} loop bodies remaking their forward pass's "
+          f"activations" + (" per block" if every > 1 else ""))
+
+
 #: A way with its last segments kept, not remade, raises the simulator's
 #: peak by at most this share (the all-remade way stays beside it for the
 #: budgets that this leaves out). Their activations only live across the
@@ -266,7 +295,8 @@ _MIN_SEGMENTS = 4
 
 #: The strategies, in the order the search tries them.
 STRATEGIES = (LoopsAsTheyAre(), InputsMadeInLoops(), LoopsRemaking(),
-              ResidualsStreamed(), LoopsRemakingStreamed(), SegmentsRemaking())
+              ResidualsStreamed(), LoopsRemakingStreamed(), SegmentsRemaking(),
+              BodiesRemaking())
 
 
 def loop_ways(plain: AnalysedProgram, config: OffloadConfig,
