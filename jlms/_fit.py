@@ -125,6 +125,10 @@ class _Problem:
     # the same equations round after round).
     self._recomputable = [_rules.is_recomputable(e.eqn)
                           for e in program.equations]
+    # The same walk reads these per value: Python lists index several
+    # times faster than numpy arrays do, one item at a time.
+    self._materialized = fusion.materialized.tolist()
+    self._last_read = fusion.last_read.tolist()
 
   def gap(self, value: int) -> tuple[int, int] | None:
     """(last read before, first read after) the longest gap, in compute
@@ -182,26 +186,29 @@ class _Problem:
     """Remake `value` before `far` from values alive there, by at most
     `Thresholds.recompute_max_chain` pure equations."""
     liveness, fusion, program = self.liveness, self.fusion, self.program
+    producer, recomputable = liveness.producer, self._recomputable
+    materialized, last_read = self._materialized, self._last_read
+    longest = _thresholds.THRESHOLDS.recompute_max_chain
     chain: set[int] = set()
     leaves: set[int] = set()
-    stack = [liveness.producer[value]]
+    stack = [producer[value]]
     while stack:
       index = stack.pop()
       if index in chain:
         continue
       equation = program.equations[index]
-      if not self._recomputable[index]:
+      if not recomputable[index]:
         return None
       chain.add(index)
-      if len(chain) > _thresholds.THRESHOLDS.recompute_max_chain:
+      if len(chain) > longest:
         return None
       for atom in equation.inputs:
         if not isinstance(atom, int):
           continue  # a constant
-        made_by = liveness.producer[atom]
+        made_by = producer[atom]
         back = moved.get(atom)
-        alive = (made_by < 0 or (fusion.materialized[atom]
-                                 and fusion.last_read[atom] >= far
+        alive = (made_by < 0 or (materialized[atom]
+                                 and last_read[atom] >= far
                                  and (back is None
                                       or back.frees_until <= far)))
         if alive:

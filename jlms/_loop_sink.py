@@ -18,7 +18,9 @@ parameters, and stay scans that later passes (`jlms._loop_remat`) read.
 
 Guarantees: the new program computes the same values (the chain is the
 same equations on the same inputs, run once per iteration instead of once);
-every value keeps its id; the equations that made the sunk input outside
+every value keeps its id, but for a loop output that the loop traced anew
+passes through (an unchanged carry), whose reads read what it passes
+through instead; the equations that made the sunk input outside
 the loop stay, and are dead where nothing else reads them.
 """
 
@@ -31,7 +33,7 @@ import jax
 
 from jlms import _compat, _rules, _thresholds
 from jlms._liveness import Liveness
-from jlms._program import Const, Equation, Program
+from jlms._program import Atom, Const, Equation, Program
 from jlms._retrace import Retraced, traced_equations
 
 log = logging.getLogger("jlms")
@@ -131,9 +133,24 @@ def sink_into_loops(program: Program, sinks: tuple[LoopSink, ...]
   equations: list[Equation] = []
   avals = list(program.avals)
   done: list[LoopSink] = []
+  # A loop traced anew may pass an output through (JAX forwards a carry
+  # the body leaves as it is): later reads of that output read what it
+  # passes through instead.
+  renamed: dict[int, Atom] = {}
+
+  def read(atom):
+    return renamed.get(atom, atom) if isinstance(atom, int) else atom
+
   for index, equation in enumerate(program.equations):
+    if renamed:
+      equation = dataclasses.replace(
+          equation, inputs=tuple(read(a) for a in equation.inputs))
     chosen = by_loop.get(index)
-    if chosen:
+    if chosen and any(v in renamed for s in chosen for v in s.leaves):
+      log.debug("jlms: %s keeps its loop-invariant inputs: they are made "
+                "from an output another loop passes through",
+                equation.readable_name())
+    elif chosen:
       try:
         retraced = _scan_making_inputs(program, equation, chosen, avals)
       except Exception as error:  # noqa: BLE001 -- this loop's choice only
@@ -144,12 +161,15 @@ def sink_into_loops(program: Program, sinks: tuple[LoopSink, ...]
         equations.extend(retraced.equations)
         avals.extend(retraced.new_avals)
         done.extend(chosen)
+        renamed.update((old, new) for old, new in zip(
+            equation.outputs, retraced.outputs) if new is not old)
         continue
     equations.append(equation)
   if not done:
     return program, ()
-  return dataclasses.replace(program, equations=tuple(equations),
-                             avals=tuple(avals)), tuple(done)
+  return dataclasses.replace(
+      program, equations=tuple(equations), avals=tuple(avals),
+      outvars=tuple(read(a) for a in program.outvars)), tuple(done)
 
 
 def _make_inputs(program: Program, sinks: list[LoopSink], leaves: list[int],
@@ -203,9 +223,6 @@ def _scan_making_inputs(program: Program, scan: Equation,
   inputs = (*leaves, *(scan.inputs[p] for p in kept), *scan.inputs[nc:])
   retraced = traced_equations(call, inputs, avals, scan.name_stack,
                               like=scan.eqn, output_ids=scan.outputs)
-  # Later passes read the loop's outputs by their ids: each must still be
-  # made by the new equations (JAX may forward an unchanged carry instead).
-  if retraced.forwarded or retraced.outputs != tuple(scan.outputs):
-    raise _compat.UnsupportedJaxError(
-        "jlms: the scan traced anew passes some of its outputs through")
+  # An output JAX forwarded (an unchanged carry) comes back as the atom it
+  # passes through; `sink_into_loops` reads that in its place.
   return retraced

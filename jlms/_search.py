@@ -866,7 +866,8 @@ def _planned(request: SearchRequest, config, chosen: _Candidate
 def _ways(request: SearchRequest):
   request.progress.stage("analysing the ways its loops can run")
   return placed_ways(request.plain, request.options.config,
-                     request.options.target, request.ways)
+                     request.options.target, request.ways,
+                     device_count(request.leaves))
 
 
 def _fit_way(request: SearchRequest, way, budget: int | None, host_budget):

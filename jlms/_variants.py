@@ -300,10 +300,11 @@ STRATEGIES = (LoopsAsTheyAre(), InputsMadeInLoops(), LoopsRemaking(),
 
 
 def loop_ways(plain: AnalysedProgram, config: OffloadConfig,
-              target_name: str | None) -> Iterator[Way]:
+              target_name: str | None, devices: int = 1) -> Iterator[Way]:
   """Each way the step's scans can run (see the module docstring); only
-  the step as it is where `config.scan_residuals` is off."""
-  start = _start(plain, config)
+  the step as it is where `config.scan_residuals` is off. `devices`: how
+  many devices the step spans (a batch split divides each one's share)."""
+  start = _start(plain, config, devices)
   yield from STRATEGIES[0].ways(start, None, config, None)
   if not config.scan_residuals:
     return
@@ -317,7 +318,8 @@ def loop_ways(plain: AnalysedProgram, config: OffloadConfig,
                 type(strategy).__name__, type(error).__name__, error)
 
 
-def _start(plain: AnalysedProgram, config: OffloadConfig) -> _Start:
+def _start(plain: AnalysedProgram, config: OffloadConfig,
+           devices: int = 1) -> _Start:
   """The step's program, with its runs split over the batch where
   `config.split_batch` (a split that fails leaves the step as it is), and,
   where the state stays on the device, each parameter's update where its
@@ -325,7 +327,7 @@ def _start(plain: AnalysedProgram, config: OffloadConfig) -> _Start:
   program, described = plain.program, ()
   if config.split_batch:
     try:
-      program, described = split_runs(plain.program)
+      program, described = split_runs(plain.program, devices=devices)
     except Exception as error:  # noqa: BLE001 -- the split only
       log.debug("jlms: no batch split (%s: %s)", type(error).__name__,
                 error)
@@ -375,7 +377,7 @@ class WayCache:
 
 
 def placed_ways(plain: AnalysedProgram, config: OffloadConfig,
-                target_name: str | None, cache: WayCache
+                target_name: str | None, cache: WayCache, devices: int = 1
                 ) -> tuple[PlacedWay, ...]:
   """Each of `loop_ways`, with `plain.state` kept as it says and the
   residuals streamed, analysed with fused equations placed at their
@@ -383,7 +385,8 @@ def placed_ways(plain: AnalysedProgram, config: OffloadConfig,
   residuals' rewrite cannot take is left out (debug log), except the
   first, the step as it is."""
   def build():
-    for number, way in enumerate(loop_ways(plain, config, target_name)):
+    for number, way in enumerate(loop_ways(plain, config, target_name,
+                                           devices)):
       try:
         yield _placed(plain, way)
       except Exception as error:  # noqa: BLE001 -- this way only

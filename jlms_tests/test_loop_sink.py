@@ -160,6 +160,43 @@ def test_a_scan_whose_inputs_jax_traces_in_another_order_is_sunk():
     np.testing.assert_allclose(actual, wanted, rtol=F32_TOLERANCE, atol=1e-7)
 
 
+def test_a_scan_that_passes_a_carry_through_is_sunk():
+  # An auxiliary loss summed in the carry (an MoE's load-balancing term):
+  # its cotangent is the same in every iteration of the backward scan,
+  # which passes it through, and traced anew JAX forwards it instead of
+  # making it. Its reads then read what it passes through; before, the
+  # backward scan kept its hoisted mask ("passes some of its outputs
+  # through").
+  layers, batch, seq, width = 3, 4, 256, 64
+
+  def loss(weights, x):
+    def body(carry, w):
+      x, total = carry
+      scores = jnp.einsum("bqd,bkd->bqk", x @ w, x)
+      mask = jnp.tril(jnp.ones((seq, seq), bool))[None]
+      p = jax.nn.softmax(jnp.where(mask, scores, -1e9), -1)
+      return (x + jnp.einsum("bqk,bkd->bqd", p, x),
+              total + jnp.mean(p ** 2)), None
+    (x, total), _ = jax.lax.scan(body, (x, jnp.zeros(())), weights)
+    return jnp.mean(x ** 2) + 0.01 * total
+
+  def step(weights, x):
+    value, grads = jax.value_and_grad(loss)(weights, x)
+    return weights - 1e-3 * grads, value
+
+  args = (jax.random.normal(jax.random.key(0), (layers, width, width)) / 8,
+          jax.random.normal(jax.random.key(1), (batch, seq, width)))
+  closed = jax.make_jaxpr(step)(*args)
+  program = flatten(closed)
+  sinks = loop_sinks(program, analyse(program))
+  assert len({s.loop for s in sinks}) == 2  # the forward and backward scan
+  sunk, done = sink_into_loops(program, sinks)
+  assert done == sinks
+  outputs = _run(sunk, closed.jaxpr.debug_info, args)
+  for actual, wanted in zip(outputs, jax.tree.leaves(jax.jit(step)(*args))):
+    np.testing.assert_allclose(actual, wanted, rtol=F32_TOLERANCE, atol=1e-7)
+
+
 @pytest.mark.parametrize("share", ["min", 0.0, 0.5, 0.9])
 def test_the_masking_decoder_plans_at_every_budget(share):
   # Every budget it can meet: the least memory, and budgets from the least
