@@ -138,7 +138,7 @@ def _scan_with_body(equation, body: Program, avals):
   direction, inputs and outputs) over `body`, a flat program laid out as
   `_body_program` lays out its body."""
   layout = _compat.scan_layout(equation.eqn)
-  _, body_consts = _body_program(equation.eqn)
+  _, body_consts = _compat.jaxpr_parts(layout.body)
   # Its weight gradients made before each remaking, not held to the end
   # of the body, where the accumulating adds run.
   barriers = tuple(i for i, e in enumerate(body.equations)
