@@ -96,6 +96,11 @@ class StateCopy:
   # the two directions run side by side in part (an update loop's, see
   # `jlms._update_loops._serial_bytes`); None: one after the other.
   serial_bytes: int | None = None
+  # A loop that fetches and writes back slices beside its own kernels (the
+  # fused update loop): of each direction's bytes, those crossing before
+  # its first iteration and after its last, with no kernel beside them.
+  # None: the copies are waited for after the kernels.
+  edge_bytes: int | None = None
 
 
 def state_pairs(program: Program, donated: Sequence[int]
@@ -441,7 +446,8 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
         fused = fused_at[index]
         equation = fused.equation
         copies.append(StateCopy(len(equations), fused.to_device,
-                                fused.to_host, fused.leaves))
+                                fused.to_host, fused.leaves,
+                                edge_bytes=fused.edge_bytes))
       swap = renamed.get(index)
       if swap:
         equation = dataclasses.replace(equation, inputs=tuple(

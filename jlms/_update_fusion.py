@@ -16,9 +16,9 @@ made:
   by slice, the loop reading each slice from the buffer that the update
   then overwrites;
 - state on host is fetched a layer ahead and written back a layer behind,
-  so that its copies have the layer's backward to run under where XLA's
-  scheduler lets them (the XLA of jaxlib 0.10 to 0.12 issues them back to
-  back at the end of the iteration: docs/state-on-host.md);
+  so that its copies run under the layer's backward where XLA's scheduler
+  has room (jaxlib 0.10.2 and 0.12.0.1 do, for a weight's two moments:
+  docs/state-on-host.md);
 - the scalars that the update reads (Adam's bias corrections) are
   computed again before the loop, from the same inputs, when the step
   computes them after it.
@@ -82,6 +82,10 @@ class FusedLoop:
   to_host: int
   host_outputs: tuple[int, ...]  # values it makes on host
   leaves: int = 0  # state leaves whose update it runs
+  # Of `to_device` and of `to_host`: the slices fetched before the loop's
+  # first iteration and written back after its last, with no kernel of
+  # the loop beside them; the rest runs beside its iterations.
+  edge_bytes: int = 0
 
 
 def is_sliceable(equation: Equation, program: Program, shape) -> bool:
@@ -428,13 +432,26 @@ def fused_update_loop(program: Program, liveness: Liveness, loop: int,
       # a buffer gives its next slice and takes its written one in either
       # order, so half the buffers read first and half write first, and
       # each half's copies run beside the other half's on the other engine.
-      previous, following = index_of(count - 1), index_of(count + 1)
+      # The neighbours' indices leave through a barrier, and the next count
+      # is made from what comes out of it. Made from the same count, XLA
+      # fuses the index with the next count, whose kernel writes the loop's
+      # count buffer in place and so runs after every read of the old count:
+      # after the in-place updates at the body's end, and the fetch with it
+      # (the 6.58B-parameter GPT: each moment's fetch waited for whole,
+      # 256 ms of its 1504 by the schedule model).
+      count, previous, following = jax.lax.optimization_barrier(
+          (count, index_of(count - 1), index_of(count + 1)))
       new_buffers, next_fetched = list(host_buffers), [None] * len(host_buffers)
       for k, ((h, out), buffer) in enumerate(zip(host_carried, host_buffers)):
         if k < half:
           ahead = fetch(h, buffer, following)
-          buffer, ahead = jax.lax.optimization_barrier((buffer, ahead))
-          new_buffers[k] = write(out, buffer, pending[k], previous)
+          # The write-back also waits for this layer's update: started at
+          # the body's top, it left its fetch, which must come first, no
+          # kernel to run beside (the 6.58B-parameter GPT: 1430 -> 1275 ms
+          # by the schedule model).
+          buffer, ahead, written = jax.lax.optimization_barrier(
+              (buffer, ahead, [pending[k], env[out]]))
+          new_buffers[k] = write(out, buffer, written[0], previous)
           next_fetched[k] = ahead
         else:
           new_buffers[k] = write(out, buffer, pending[k], previous)
@@ -503,10 +520,11 @@ def fused_update_loop(program: Program, liveness: Liveness, loop: int,
              + [out for _, out in device_carried])
   fused = Equation(eqn, (*equation.inputs, *extra), tuple(outputs),
                    equation.name_stack)
-  moved = sum(aval_nbytes(program.avals[h]) for h, _ in host_carried)
+  stacks = sum(aval_nbytes(program.avals[h]) for h, _ in host_carried)
   # One slice of each buffer crosses twice: fetched again at the end, and
   # written back unchanged at the start.
-  moved = moved * (length + 1) // length
+  moved = stacks * (length + 1) // length
   return FusedLoop(fused, tuple(tuple(run) for run in runs), moved,
                    moved, tuple(out for _, out in host_carried),
-                   len(host_carried) + len(device_carried))
+                   len(host_carried) + len(device_carried),
+                   edge_bytes=moved - stacks)

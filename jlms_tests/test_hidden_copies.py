@@ -203,3 +203,38 @@ def test_at_remats_peak_a_scanned_mlp_remakes_its_layers_rather_than_stream():
   # XLA at the budget) and moves nothing over the link.
   assert plan.xla_peak_bytes <= budget
   assert plan.offloaded_bytes == 0
+
+
+@pytest.mark.slow
+def test_xla_runs_a_fused_update_loops_copies_beside_its_matmuls():
+  """A GPT whose budget puts one weight's two moments on host: their
+  update runs in the backward loop (`jlms._update_fusion`), each fetched a
+  layer ahead and written back a layer behind. Every one of those copies
+  is in flight while a matmul of the loop runs. (The fetch of the half
+  that reads first was waited for right after it started: its index was
+  made in the kernel that advances the loop's count, at the body's end,
+  and its write-back was then started at the body's top.)"""
+  case = models.zoo_gpt_case(seq=1024, batch_size=8, layers=4, width=4096,
+                             heads=32)
+  args = case.abstract_args()
+  step = jlms.offload(case.step, donate_argnums=(0, 1), budget="19GiB",
+                      target="h100")
+  plan = step.plan(*args)
+  assert plan.state_leaves == 2 and plan.state_updated_in_loops > 0, plan
+  hlo = jlms.xla_memory(step, *args, target="h100").hlo_text
+  def both_ways(names):
+    return (any(n.startswith("dynamic-slice-start") for n in names)
+            and any(n.startswith("dynamic-update-slice-start") for n in names))
+
+  copying = [[name for name, _ in operations]
+             for operations in _loop_bodies(hlo)]
+  copying = [names for names in copying if both_ways(names)]
+  assert len(copying) == 1  # the backward loop
+  for names in copying:
+    matmuls = [i for i, name in enumerate(names) if "gemm" in name]
+    starts = [i for i, name in enumerate(names)
+              if "slice-start" in name]
+    assert len(starts) == 4, names  # two fetches, two write-backs
+    for start in starts:
+      done = names.index(names[start].replace("-start", "-done"))
+      assert any(start < m < done for m in matmuls), (names[start], names)
