@@ -167,6 +167,11 @@ class Plan:
   state_updated_in_loops: int = 0
   #: Bytes of the state leaves kept on host.
   state_host_bytes: int = 0
+  #: How many devices share the step's arrays where its jaxpr holds them
+  #: whole (`AxisType.Auto` mesh axes, `jlms._sharding.unseen_split`): the
+  #: predicted peaks are then the whole step's, and a device holds about a
+  #: `split`-th of them. 1 where the jaxpr's sizes are one device's.
+  split: int = 1
 
   @functools.cached_property
   def _predicted_times(self) -> tuple[StepTime | None, StepTime | None]:
@@ -292,10 +297,22 @@ class Plan:
     for run in self.split_over_batch:
       lines.append(f"jlms: split over the batch: {run}")
     if self.baseline is not None and self.timeline is not None:
-      lines.append(
-          f"jlms: predicted device peak {format_bytes(self.baseline_peak_bytes)}"
-          f" without offloading, {format_bytes(self.predicted_peak_bytes)} "
-          f"with it; host {format_bytes(self.predicted_host_bytes)}")
+      if self.split > 1:
+        # The budget is one device's; these are the whole step's bytes.
+        lines.append(
+            f"jlms: predicted peak of the whole step over {self.split} "
+            f"devices (its arrays carry no sharding: Auto mesh axes) "
+            f"{format_bytes(self.baseline_peak_bytes)} without offloading, "
+            f"{format_bytes(self.predicted_peak_bytes)} with it: about "
+            f"{format_bytes(self.baseline_peak_bytes // self.split)} and "
+            f"{format_bytes(self.predicted_peak_bytes // self.split)} a "
+            f"device; host {format_bytes(self.predicted_host_bytes)}")
+      else:
+        lines.append(
+            f"jlms: predicted device peak "
+            f"{format_bytes(self.baseline_peak_bytes)} without offloading, "
+            f"{format_bytes(self.predicted_peak_bytes)} with it; host "
+            f"{format_bytes(self.predicted_host_bytes)}")
     if self.budget_bytes is not None:
       verdict = "fits without offloading" if self.fits_as_is else "fitted"
       if (verdict == "fitted" and self.xla_peak_bytes is not None

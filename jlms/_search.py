@@ -251,8 +251,10 @@ class SearchRequest:
     whole = planned.plan.step_times
     if device_count(self.leaves) <= 1 or whole is None:
       return planned
-    plan = dataclasses.replace(planned.plan, step_times=lambda: (
-        self.per_device_times(whole(), self.plain.program, None, "plain")))
+    plan = dataclasses.replace(planned.plan, split=self.split,
+                               step_times=lambda: (self.per_device_times(
+                                   whole(), self.plain.program, None,
+                                   "plain")))
     return dataclasses.replace(planned, plan=plan)
 
   def xla_peak(self, rewritten, host_inputs=(), fitted=True,
@@ -851,7 +853,7 @@ def _planned(request: SearchRequest, config, chosen: _Candidate
       step_times=lambda: request.per_device_times(
           (predict_times(times, plain)[0], result.step_time),
           placed.program, measured, chosen.rewritten),
-      time_target=times.name,
+      time_target=times.name, split=request.split,
       state_updated_in_loops=sum(c.updated_in_loop
                                  for c in placed.state_copies))
   return PlannedStep(placed.program, result.offloads, plan,

@@ -22,6 +22,7 @@ import jlms
 from benchmarks import models
 from benchmarks.sharded import mesh_of, shard_step_args
 from jlms._sharding import abstract_arguments, device_shape, unseen_split
+from jlms._units import format_bytes
 from jlms_tests.conftest import F32_TOLERANCE, TFLMS_KNOBS, max_relative_error
 
 # One worker runs the whole module: its module-scoped fixture compiles
@@ -211,6 +212,14 @@ def test_budget_is_per_device(axis_type):
   assert plan.budget_bytes == GIB
   assert plan.offloaded
   assert plan.xla_peak_bytes <= GIB
+  # Under Auto axes the simulator's peaks are the whole step's, beside a
+  # budget of one device's: the printed plan says which, and a device's
+  # share.
+  whole = axis_type == AxisType.Auto
+  assert plan.split == (8 if whole else 1)
+  assert ("predicted peak of the whole step over 8 devices" in str(plan)) == whole
+  if whole:
+    assert format_bytes(plan.predicted_peak_bytes // 8) in str(plan)
   measured = jlms.xla_memory(step, *args, target="h100")
   assert measured.peak_bytes == plan.xla_peak_bytes
   # Whatever is copied lives on host as one device's shard.
