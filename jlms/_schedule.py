@@ -174,24 +174,20 @@ def predict_step_time(program: Program, liveness: Liveness,
       beside[reader][1] += seconds
     h2d += size * len(residual.readers)
   for copy in state_copies:
-    # Each direction has its engine. A loop that moves its slices beside
-    # its own kernels (`edge_bytes`, the update fused into the backward
-    # loop) waits only for the slices it fetches before its first
-    # iteration and writes back after its last, and the kernels around it
-    # hide about half of those (the 6.58B-parameter GPT's two moments on
-    # host, 16.5 GiB each way: 16.3 ms exposed of a 1275 ms step by the
-    # schedule model, 7.5 of them at the loop's edges, for 9.8 ms each way
-    # of slices there; a 4-layer one's, 8.5 ms for 9.8).
-    # Elsewhere XLA waits for each slice's copy right after starting it,
-    # the fetch and the write-back one after the other, except where an
-    # update loop runs one leaf's fetch beside another's write-back
-    # (`serial_bytes`).
-    if copy.edge_bytes is not None:
-      beside[copy.index][0] += target.transfer_seconds(
-          copy.to_host - copy.edge_bytes)
+    # Each direction has its engine. What a loop copies beside its own
+    # kernels (the update fused into the backward loop,
+    # `jlms._update_fusion._beside_kernels`) runs there; the rest is waited
+    # for after them. XLA waits for each slice's copy right after starting
+    # it elsewhere, the fetch and the write-back one after the other,
+    # except where an update loop runs one leaf's fetch beside another's
+    # write-back (`serial_bytes`).
+    if copy.to_device_beside or copy.to_host_beside:
+      beside[copy.index][0] += target.transfer_seconds(copy.to_host_beside)
       beside[copy.index][1] += target.transfer_seconds(
-          copy.to_device - copy.edge_bytes)
-      after[copy.index] += target.transfer_seconds(copy.edge_bytes)
+          copy.to_device_beside)
+      after[copy.index] += (
+          target.transfer_seconds(copy.to_device - copy.to_device_beside)
+          + target.transfer_seconds(copy.to_host - copy.to_host_beside))
     elif copy.serial_bytes is not None:
       after[copy.index] += target.transfer_seconds(copy.serial_bytes)
     else:

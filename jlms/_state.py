@@ -96,11 +96,11 @@ class StateCopy:
   # the two directions run side by side in part (an update loop's, see
   # `jlms._update_loops._serial_bytes`); None: one after the other.
   serial_bytes: int | None = None
-  # A loop that fetches and writes back slices beside its own kernels (the
-  # fused update loop): of each direction's bytes, those crossing before
-  # its first iteration and after its last, with no kernel beside them.
-  # None: the copies are waited for after the kernels.
-  edge_bytes: int | None = None
+  # Of `to_device` and `to_host`, the bytes copied beside the kernels of
+  # the loop at `index` (the fused update loop's, `jlms._update_fusion`);
+  # the rest is waited for after them.
+  to_device_beside: int = 0
+  to_host_beside: int = 0
 
 
 def state_pairs(program: Program, donated: Sequence[int]
@@ -447,7 +447,8 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
         equation = fused.equation
         copies.append(StateCopy(len(equations), fused.to_device,
                                 fused.to_host, fused.leaves,
-                                edge_bytes=fused.edge_bytes))
+                                to_device_beside=fused.to_device_beside,
+                                to_host_beside=fused.to_host_beside))
       swap = renamed.get(index)
       if swap:
         equation = dataclasses.replace(equation, inputs=tuple(

@@ -82,10 +82,10 @@ class FusedLoop:
   to_host: int
   host_outputs: tuple[int, ...]  # values it makes on host
   leaves: int = 0  # state leaves whose update it runs
-  # Of `to_device` and of `to_host`: the slices fetched before the loop's
-  # first iteration and written back after its last, with no kernel of
-  # the loop beside them; the rest runs beside its iterations.
-  edge_bytes: int = 0
+  # Of `to_device` and of `to_host`, the bytes that XLA copies beside the
+  # loop's kernels; the rest it waits for (see `_beside_kernels`).
+  to_device_beside: int = 0
+  to_host_beside: int = 0
 
 
 def is_sliceable(equation: Equation, program: Program, shape) -> bool:
@@ -524,7 +524,31 @@ def fused_update_loop(program: Program, liveness: Liveness, loop: int,
   # One slice of each buffer crosses twice: fetched again at the end, and
   # written back unchanged at the start.
   moved = stacks * (length + 1) // length
+  to_device_beside, to_host_beside = _beside_kernels(len(host_carried),
+                                                    stacks)
   return FusedLoop(fused, tuple(tuple(run) for run in runs), moved,
                    moved, tuple(out for _, out in host_carried),
                    len(host_carried) + len(device_carried),
-                   edge_bytes=moved - stacks)
+                   to_device_beside, to_host_beside)
+
+
+#: The most buffers on host whose fetches XLA's scheduler runs beside the
+#: fused loop's kernels (jaxlib 0.10.2 and 0.12.0.1, by their compiled
+#: schedules).
+_FETCHES_BESIDE_KERNELS = 2
+
+
+def _beside_kernels(host_buffers: int, stacks: int) -> tuple[int, int]:
+  """(bytes fetched, bytes written back) that XLA copies beside a fused
+  loop's kernels, of a loop carrying `host_buffers` buffers on host of
+  `stacks` bytes in all. The slices fetched before the first iteration
+  and written after the last have no kernel of the loop beside them.
+  Inside it, every write-back runs under the layers' kernels; the
+  fetches do for a weight's two moments (one buffer of each half: the
+  6.58B-parameter GPT, 16 ms of 16.5 GiB each way exposed by the schedule
+  model), but with more buffers XLA waits for each fetch right after
+  starting it (a 42-layer GPT with four moments on host: 825 ms exposed
+  of 840 ms each way; a 4-layer one with six: 169 of 153)."""
+  fetched = stacks if host_buffers <= _FETCHES_BESIDE_KERNELS else 0
+  return fetched, stacks
+

@@ -20,6 +20,8 @@ from jlms._loop_remat import (cheapest, loop_rematerializations,
                               rematerialize_in_loops)
 from jlms._loops import find_scan_residuals
 from jlms._program import flatten
+from jlms._state import StateCopy
+from jlms._update_fusion import _beside_kernels
 from jlms._variants import loops_unwrapped
 from jlms._schedule import (predict_step_time, scheduler_overlaps,
                             scheduler_slop_factor)
@@ -85,6 +87,37 @@ def test_a_slice_ready_at_its_iterations_start_hides_under_the_loop():
   # Where XLA's scheduler has no room, it overlaps nothing.
   crowded = dataclasses.replace(H100, streams_hide=False)
   assert exposed(carried, crowded) == pytest.approx(2 * copy)
+
+
+def test_a_fused_update_loops_copies_are_priced_beside_its_kernels():
+  case = _scan_mlp(layers=8, width=1024, batch=4096)
+  program = _remade(case)
+  liveness = analyse(program)
+  (carried,) = find_scan_residuals(program, liveness, OffloadConfig(
+      min_bytes=1, swapout_threshold=2))
+  loop = carried.readers[0]  # the backward loop
+  seconds = kernel_seconds(program, H100, liveness=liveness)
+  own = float(seconds[loop])
+  stacks = int(0.5 * own * H100.link_bytes_per_s)  # half the loop's time
+  edges = stacks // 8  # one slice of each, before and after the loop
+
+  def exposed(buffers, target=H100):
+    fetched, written = _beside_kernels(buffers, stacks)
+    copy = StateCopy(loop, stacks + edges, stacks + edges,
+                     to_device_beside=fetched, to_host_beside=written)
+    return predict_step_time(program, liveness, seconds, (), target,
+                             state_copies=(copy,)).exposed_transfer_s
+
+  edge = H100.transfer_seconds(edges)
+  # A weight's two moments: only the slices at the loop's edges wait.
+  assert exposed(2) == pytest.approx(2 * edge)
+  # More buffers: XLA waits for every fetch too.
+  assert exposed(4) == pytest.approx(
+      2 * edge + H100.transfer_seconds(stacks))
+  # Where XLA's scheduler has no room, nothing hides.
+  crowded = dataclasses.replace(H100, streams_hide=False)
+  assert exposed(2, crowded) == pytest.approx(
+      2 * H100.transfer_seconds(stacks + edges))
 
 
 def test_xlas_scheduler_overlaps_only_under_its_memory_limit():
