@@ -60,13 +60,19 @@ def test_a_remade_loop_stacks_its_layer_inputs_ready_at_each_iterations_start():
   assert program.avals[carried.value].shape == (4, 1024, 256)
 
 
-def test_a_slice_ready_at_its_iterations_start_hides_under_the_loop():
-  case = _scan_mlp(layers=8, width=1024, batch=4096)
-  program = _remade(case)
+def _remade_loops_priced():
+  """The 8-layer scanned MLP remade (`_remade`), its analysis, its one
+  layer-input stack and its kernels' seconds on an H100."""
+  program = _remade(_scan_mlp(layers=8, width=1024, batch=4096))
   liveness = analyse(program)
   (carried,) = find_scan_residuals(program, liveness, OffloadConfig(
       min_bytes=1, swapout_threshold=2))
-  seconds = kernel_seconds(program, H100, liveness=liveness)
+  return program, liveness, carried, kernel_seconds(program, H100,
+                                                    liveness=liveness)
+
+
+def test_a_slice_ready_at_its_iterations_start_hides_under_the_loop():
+  program, liveness, carried, seconds = _remade_loops_priced()
   copy = H100.transfer_seconds(liveness.nbytes[carried.value])
   forward = float(seconds[carried.producer])
   assert forward < copy  # the link bounds this loop
@@ -90,13 +96,8 @@ def test_a_slice_ready_at_its_iterations_start_hides_under_the_loop():
 
 
 def test_a_fused_update_loops_copies_are_priced_beside_its_kernels():
-  case = _scan_mlp(layers=8, width=1024, batch=4096)
-  program = _remade(case)
-  liveness = analyse(program)
-  (carried,) = find_scan_residuals(program, liveness, OffloadConfig(
-      min_bytes=1, swapout_threshold=2))
+  program, liveness, carried, seconds = _remade_loops_priced()
   loop = carried.readers[0]  # the backward loop
-  seconds = kernel_seconds(program, H100, liveness=liveness)
   own = float(seconds[loop])
   stacks = int(0.5 * own * H100.link_bytes_per_s)  # half the loop's time
   edges = stacks // 8  # one slice of each, before and after the loop
