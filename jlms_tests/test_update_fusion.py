@@ -105,6 +105,9 @@ def test_the_update_runs_in_the_loop_that_makes_the_gradient():
   # The moment crosses once each way, and one slice twice (fetched again
   # at the end, written back unchanged at the start).
   assert (copy.to_device, copy.to_host) == (leaf + leaf // LAYERS,) * 2
+  # Inside the loop both run beside its kernels; the slices at its edges
+  # do not.
+  assert (copy.to_device_beside, copy.to_host_beside) == (leaf, leaf)
   # The loop makes the three updated leaves and no gradient stack.
   stacks = [v for v in backward.outputs
             if tuple(rewritten.avals[v].shape) == (LAYERS, WIDTH, WIDTH)]
