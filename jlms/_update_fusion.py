@@ -533,8 +533,8 @@ def fused_update_loop(program: Program, liveness: Liveness, loop: int,
 
 
 #: The most buffers on host whose fetches XLA's scheduler runs beside the
-#: fused loop's kernels (jaxlib 0.10.2 and 0.12.0.1, by their compiled
-#: schedules).
+#: fused loop's kernels in full (jaxlib 0.10.2 and 0.12.0.1, by their
+#: compiled schedules, with `jlms._search.ASYNC_COPIES_IN_FLIGHT`).
 _FETCHES_BESIDE_KERNELS = 2
 
 
@@ -543,12 +543,13 @@ def _beside_kernels(host_buffers: int, stacks: int) -> tuple[int, int]:
   loop's kernels, of a loop carrying `host_buffers` buffers on host of
   `stacks` bytes in all. The slices fetched before the first iteration
   and written after the last have no kernel of the loop beside them.
-  Inside it, every write-back runs under the layers' kernels; the
+  Inside it, every write-back runs under the layers' kernels, and the
   fetches do for a weight's two moments (one buffer of each half: the
   6.58B-parameter GPT, 16 ms of 16.5 GiB each way exposed by the schedule
-  model), but with more buffers XLA waits for each fetch right after
-  starting it (a 42-layer GPT with four moments on host: 825 ms exposed
-  of 840 ms each way; a 4-layer one with six: 169 of 153)."""
-  fetched = stacks if host_buffers <= _FETCHES_BESIDE_KERNELS else 0
+  model). With more buffers XLA waits for about half of the fetches'
+  time (a 42-layer GPT with four moments on host: 415 ms exposed of 840
+  ms each way; a 4-layer one with six: 87 of 144)."""
+  fetched = (stacks if host_buffers <= _FETCHES_BESIDE_KERNELS
+             else stacks // 2)
   return fetched, stacks
 

@@ -112,9 +112,9 @@ def test_a_fused_update_loops_copies_are_priced_beside_its_kernels():
   edge = H100.transfer_seconds(edges)
   # A weight's two moments: only the slices at the loop's edges wait.
   assert exposed(2) == pytest.approx(2 * edge)
-  # More buffers: XLA waits for every fetch too.
+  # More buffers: XLA waits for about half of the fetches' time too.
   assert exposed(4) == pytest.approx(
-      2 * edge + H100.transfer_seconds(stacks))
+      2 * edge + H100.transfer_seconds(stacks - stacks // 2))
   # Where XLA's scheduler has no room, nothing hides.
   crowded = dataclasses.replace(H100, streams_hide=False)
   assert exposed(2, crowded) == pytest.approx(
@@ -272,3 +272,32 @@ def test_xla_runs_a_fused_update_loops_copies_beside_its_matmuls():
     for start in starts:
       done = names.index(names[start].replace("-start", "-done"))
       assert any(start < m < done for m in matmuls), (names[start], names)
+
+
+@pytest.mark.slow
+def test_xla_keeps_several_fetches_of_a_fused_loop_in_flight():
+  """Six moments on host: the backward loop fetches and writes back six
+  buffers an iteration. XLA's scheduler keeps at most
+  `ASYNC_COPIES_IN_FLIGHT` such copies in flight in a plan that copies
+  (two by default): with two places, the write-backs took both and every
+  fetch was waited for right after its start; now most fetches run
+  beside a matmul."""
+  case = models.zoo_gpt_case(seq=1024, batch_size=8, layers=4, width=4096,
+                             heads=32)
+  args = case.abstract_args()
+  step = jlms.offload(case.step, donate_argnums=(0, 1), budget="16GiB",
+                      target="h100")
+  plan = step.plan(*args)
+  assert plan.state_leaves >= 4 and plan.state_updated_in_loops > 0, plan
+  hlo = jlms.xla_memory(step, *args, target="h100").hlo_text
+  bodies = [[name for name, _ in operations]
+            for operations in _loop_bodies(hlo)]
+  (names,) = [n for n in bodies
+              if sum(x.startswith("dynamic-slice-start") for x in n) >= 4]
+  matmuls = [i for i, name in enumerate(names) if "gemm" in name]
+  fetches = [i for i, name in enumerate(names)
+             if name.startswith("dynamic-slice-start")]
+  beside = [start for start in fetches
+            if any(start < m < names.index(
+                names[start].replace("-start", "-done")) for m in matmuls)]
+  assert 2 * len(beside) > len(fetches), names
