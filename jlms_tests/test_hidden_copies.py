@@ -239,6 +239,19 @@ def test_at_remats_peak_a_scanned_mlp_remakes_its_layers_rather_than_stream():
   assert plan.offloaded_bytes == 0
 
 
+def _gpt_with_moments_on_host(budget: str):
+  """The plan of a 4-layer GPT of width 4096 at `budget` on an H100, whose
+  state does not fit beside its activations, and XLA's compiled program
+  of it."""
+  case = models.zoo_gpt_case(seq=1024, batch_size=8, layers=4, width=4096,
+                             heads=32)
+  args = case.abstract_args()
+  step = jlms.offload(case.step, donate_argnums=(0, 1), budget=budget,
+                      target="h100")
+  plan = step.plan(*args)
+  return plan, jlms.xla_memory(step, *args, target="h100").hlo_text
+
+
 @pytest.mark.slow
 def test_xla_runs_a_fused_update_loops_copies_beside_its_matmuls():
   """A GPT whose budget puts one weight's two moments on host: their
@@ -248,14 +261,8 @@ def test_xla_runs_a_fused_update_loops_copies_beside_its_matmuls():
   that reads first was waited for right after it started: its index was
   made in the kernel that advances the loop's count, at the body's end,
   and its write-back was then started at the body's top.)"""
-  case = models.zoo_gpt_case(seq=1024, batch_size=8, layers=4, width=4096,
-                             heads=32)
-  args = case.abstract_args()
-  step = jlms.offload(case.step, donate_argnums=(0, 1), budget="19GiB",
-                      target="h100")
-  plan = step.plan(*args)
+  plan, hlo = _gpt_with_moments_on_host("19GiB")
   assert plan.state_leaves == 2 and plan.state_updated_in_loops > 0, plan
-  hlo = jlms.xla_memory(step, *args, target="h100").hlo_text
   def both_ways(names):
     return (any(n.startswith("dynamic-slice-start") for n in names)
             and any(n.startswith("dynamic-update-slice-start") for n in names))
@@ -282,14 +289,8 @@ def test_xla_keeps_several_fetches_of_a_fused_loop_in_flight():
   (two by default): with two places, the write-backs took both and every
   fetch was waited for right after its start; now most fetches run
   beside a matmul."""
-  case = models.zoo_gpt_case(seq=1024, batch_size=8, layers=4, width=4096,
-                             heads=32)
-  args = case.abstract_args()
-  step = jlms.offload(case.step, donate_argnums=(0, 1), budget="16GiB",
-                      target="h100")
-  plan = step.plan(*args)
+  plan, hlo = _gpt_with_moments_on_host("16GiB")
   assert plan.state_leaves >= 4 and plan.state_updated_in_loops > 0, plan
-  hlo = jlms.xla_memory(step, *args, target="h100").hlo_text
   bodies = [[name for name, _ in operations]
             for operations in _loop_bodies(hlo)]
   (names,) = [n for n in bodies
