@@ -8,9 +8,11 @@ and returns the `PlannedStep` that runs. In order:
 2. The ways of placing the step's state (`state_levels`): on the device as
    it is, with its updates inside the loops that make their gradients,
    the optimizer's moments on host in steps, all of it on host.
-3. For each, until one fits (`_search_levels`): the fastest fit of every
-   way its loops can run (`fastest_fit`, over `jlms._variants`), chosen
-   per value by `jlms._fit` with the simulator and the time model;
+3. For each, until one fits (`_search_levels`), or until XLA's peak is
+   further over the budget than the state left on the device could save
+   (`_out_of_reach`): the fastest fit of every way its loops can run
+   (`fastest_fit`, over `jlms._variants`), chosen per value by
+   `jlms._fit` with the simulator and the time model;
 4. confirmed by XLA's deviceless compile, and fitted again for a
    proportionally tighter budget while XLA's peak does not fit, at most
    `CONFIRMATIONS` compiles (`_confirmed`).
@@ -131,6 +133,11 @@ _CLOSE_MISS = 0.02
 # Under a budget, the optimizer's moments go to host in steps of this share
 # of their bytes, the largest leaves first, until the plan fits.
 _STATE_LEVEL_SHARE = 0.125
+# A placement of the state saves at most the state it moves to host and
+# as much again in gradients (`_out_of_reach`): past that, XLA's peak of a
+# plan is its own (a tiny attention step: 4.05 MiB by XLA for 0.05
+# predicted, at every placement).
+_LEVEL_REACH = 2
 # XLA's GPU scheduler runs a copy to or from host memory as an
 # asynchronous computation, and keeps at most this option's number of them
 # in flight (two by default, jaxlib 0.10.2 and 0.12.0.1). A loop that
@@ -409,6 +416,13 @@ def _search_levels(request: SearchRequest, levels, plain_peak
         if refused_for_host is not None and hasattr(error, "host_bytes"):
           raise refused_for_host from None
         raise
+      if refused_for_host is None and _out_of_reach(request, plain, error):
+        # A peak that no placement of the state can bring under the
+        # budget: XLA's own bytes (a tiny step's 4 MiB of them), not the
+        # state's. Each further placement costs six compiles.
+        log.info("jlms: %s; no other placement of the state saves that "
+                 "much: none is tried", error)
+        raise
       following = levels[number + 1].state
       if following:
         log.info("jlms: %s; trying with %d state leaves (%s) on host",
@@ -432,6 +446,23 @@ def _search_levels(request: SearchRequest, levels, plain_peak
                 type(error).__name__, error)
   # The step does not fit the budget as it is: jax.jit's program won't do.
   return dataclasses.replace(planned, needs_plan=budget is not None)
+
+
+def _out_of_reach(request: SearchRequest, plain, error) -> bool:
+  """Whether XLA's peak of `plain`'s least-memory plan (`error` is its
+  refusal) is over the budget by more than any other placement of the
+  state can save: the state still on the device, once on host, and as
+  much again for gradients that its updates fused into loops no longer
+  stack (`_LEVEL_REACH`)."""
+  least = getattr(error, "least_by_xla", None)
+  if least is None or request.budget is None:
+    return False
+  on_host = set(plain.state.inputs)
+  program = plain.program
+  on_device = sum(aval_nbytes(program.avals[program.invars[i]])
+                  for i, _ in state_pairs(program, request.donated)
+                  if i not in on_host)
+  return least - request.budget > _LEVEL_REACH * on_device
 
 
 def state_levels(request: SearchRequest) -> list:
@@ -1012,6 +1043,7 @@ def _refused(budget, target, plain_peak, least_peak, smallest,
       f"{format_bytes(smallest)}); raise the budget to at least "
       f"{format_bytes(minimum)}")
   error.smallest_bytes = minimum
+  error.least_by_xla = least_peak
   return error
 
 
