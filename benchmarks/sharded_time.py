@@ -21,7 +21,10 @@ predicted step time and its parts; the schedule model of the compiled
 program (`../shared/tools/step_time.py`), which runs every instruction on
 one stream and prices a collective as HBM traffic, and that model with
 the exchanges on their own NVLink (450 GB/s each way) beside the kernels
-("schedule + NVLink": the larger of the two).
+("schedule + NVLink": the larger of the two). jlms's prediction is given
+as planned (its H100 calibration) and with the schedule model's constants
+("roofline_", `benchmarks._predicted`), each with its error against
+"schedule + NVLink".
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from jax.sharding import AxisType
 import jlms
 from benchmarks import models
 from benchmarks._output import write_json
+from benchmarks._predicted import prediction_columns, relative_error
 from benchmarks.frontier import load_yardstick
 from benchmarks.sharded import mesh_of, shard_step_args
 from jlms._collectives import collective_bytes
@@ -112,24 +116,22 @@ def measure(size: str, configs, yardstick) -> list[dict]:
     plan = step.plan(*args)
     row = _row(size, config, step, args, yardstick,
                time.perf_counter() - start)
-    predicted = plan.step_time
-    row.update(
-        predicted_ms=round(predicted.total_s * 1e3, 1),
-        predicted_compute_ms=round(
-            (predicted.compute_s + predicted.recompute_s) * 1e3, 1),
-        predicted_copies_ms=round(predicted.exposed_transfer_s * 1e3, 1),
-        predicted_exchange_ms=round(predicted.exposed_collective_s * 1e3, 1))
+    row.update(prediction_columns(plan))
     if "schedule_nvlink_ms" in row:
-      row["error"] = round(
-          predicted.total_s * 1e3 / row["schedule_nvlink_ms"] - 1, 3)
+      row["error"] = relative_error(row["predicted_ms"],
+                                    row["schedule_nvlink_ms"])
+      row["roofline_error"] = relative_error(row["roofline_predicted_ms"],
+                                             row["schedule_nvlink_ms"])
     rows.append(row)
   return rows
 
 
 COLUMNS = ("size", "config", "peak_gib", "host_gib", "exchanged_gib",
            "nvlink_ms", "predicted_ms", "predicted_compute_ms",
-           "predicted_exchange_ms", "schedule_ms", "schedule_nvlink_ms",
-           "error", "seconds")
+           "predicted_exposed_copy_ms", "predicted_exchange_ms",
+           "roofline_predicted_ms", "roofline_predicted_compute_ms",
+           "schedule_ms", "schedule_nvlink_ms", "error", "roofline_error",
+           "seconds")
 
 
 def print_table(rows) -> None:

@@ -48,6 +48,7 @@ import jax
 import jlms
 from benchmarks import models
 from benchmarks._output import write_json
+from benchmarks._predicted import prediction_columns
 from benchmarks.frontier import YARDSTICK_PATH, _cell, load_yardstick
 
 TARGET = "h100"
@@ -88,6 +89,10 @@ def _plan_figures(plan) -> dict:
       "predicted_recompute_ms": _ms(time_.recompute_s),
       "predicted_exposed_copy_ms": _ms(time_.exposed_transfer_s),
       "jit_predicted_ms": _ms(plan.baseline_step_time.total_s),
+      # The same at the schedule model's constants (kernels at their
+      # roofline, its link): the figures to hold against its times.
+      **{key: value for key, value in prediction_columns(plan).items()
+         if key.startswith("roofline_")},
   }
 
 

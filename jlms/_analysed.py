@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jlms import _compat
-from jlms._config import OffloadConfig
+from jlms._config import OffloadConfig, SyncMode
 from jlms._cost import kernel_seconds
 from jlms._liveness import analyse
 from jlms._placement import place_fused_at_readers
@@ -164,28 +164,35 @@ def predict_times(target, plain, planned=None, offloads=(), sync_mode=None,
   # Priced with fused equations where XLA runs them, as `jlms._fit` does.
   placed = AnalysedProgram.of(place_fused_at_readers(
       plain.program, plain.liveness, plain.fusion))
-  baseline = predict_step_time(
-      placed.program, placed.liveness,
-      kernel_seconds(placed.program, target, placed.fusion,
-                     placed.liveness), (), target)
+  baseline = predict_planned(
+      target, (placed.program, placed.liveness, placed.fusion))
   step_time = baseline
   if planned is not None:
-    program, liveness, fusion = planned
-    step_time = predict_step_time(
-        program, liveness,
-        kernel_seconds(program, target, fusion, liveness), offloads,
-        target, sync_mode, residuals)
+    step_time = predict_planned(target, planned, offloads, sync_mode,
+                                residuals)
   return baseline, step_time
+
+
+def predict_planned(target, planned, offloads=(), sync_mode=SyncMode.NONE,
+                    residuals=(), state_copies=()):
+  """The predicted step time on `target` of the `planned` (program,
+  liveness, fusion) with its `offloads`, streamed scan `residuals` and
+  copies of state kept on host."""
+  program, liveness, fusion = planned
+  return predict_step_time(
+      program, liveness, kernel_seconds(program, target, fusion, liveness),
+      offloads, target, sync_mode, residuals, state_copies)
 
 
 def step_time_fields(target, plain, planned=None, offloads=(),
                      sync_mode=None, residuals=()) -> dict:
   """Plan fields that predict, when asked, the step time of `jax.jit`'s
   program and, given the `planned` (program, liveness, fusion), of the
-  plan's."""
-  return dict(step_times=lambda: predict_times(
-      target, plain, planned, offloads, sync_mode, residuals),
-              time_target=target.name)
+  plan's; asked with keywords, on `target` with those fields replaced
+  (`jlms.Plan.step_times_with`)."""
+  return dict(step_times=lambda **constants: predict_times(
+      dataclasses.replace(target, **constants), plain, planned, offloads,
+      sync_mode, residuals), time_target=target.name)
 
 
 def as_is(plain, baseline, jit_params, debug_info, out_trees, config,

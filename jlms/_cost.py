@@ -129,6 +129,28 @@ TARGETS = types.MappingProxyType({
 })
 
 
+def time_constants(efficiency: float | None = None,
+                   link_bytes_per_s: float | None = None) -> dict:
+  """`GpuTarget` fields to replace so that the time model prices every
+  kind of kernel at `efficiency` of its roofline and the host link at
+  `link_bytes_per_s` each way (either None: the target's own)."""
+  constants = {}
+  if efficiency is not None:
+    if not 0 < efficiency <= 1:
+      raise ValueError(f"jlms: efficiency {efficiency!r} is the share of "
+                       f"its roofline a kernel reaches: give a number in "
+                       f"(0, 1], 1 for the roofline itself")
+    constants["efficiency"] = types.MappingProxyType(
+        dict.fromkeys(("conv", "matmul", "memory"), float(efficiency)))
+  if link_bytes_per_s is not None:
+    if not link_bytes_per_s > 0:
+      raise ValueError(f"jlms: link_bytes_per_s {link_bytes_per_s!r}: give "
+                       f"the bytes the host link moves each way per second, "
+                       f"above 0 (an H100's PCIe Gen5 x16 moves about 55e9)")
+    constants["link_bytes_per_s"] = float(link_bytes_per_s)
+  return constants
+
+
 def time_target(name: str | None) -> GpuTarget:
   """The time model of `name` ("h100" when None: the GPU jlms is tuned
   for, also for a local GPU whose kind it does not know)."""

@@ -78,6 +78,10 @@ class Fit:
   baseline_step_time: StepTime
   budget_bytes: int | None  # None: the least memory reachable
   seconds: float  # spent fitting
+  #: The time model the fit priced its choices on (its `streams_hide` as
+  #: fitted), so that the same choices can be priced again with other
+  #: constants (`jlms.Plan.step_times_with`).
+  target: GpuTarget | None = None
 
   @property
   def recomputed(self) -> int:
@@ -316,7 +320,7 @@ def fit(program: Program, liveness: Liveness, budget_bytes: int | None,
                                         baseline, baseline_time)
     timeline, step_time = _remake_once(problem, chosen, timeline, step_time)
   result = Fit(tuple(chosen), timeline, baseline, step_time, baseline_time,
-               budget_bytes, time.perf_counter() - started)
+               budget_bytes, time.perf_counter() - started, target)
   log.info("jlms: fitted %s in %.2f s: %d values recomputed, %d copied to "
            "host; predicted peak %s, step %s",
            "the least memory" if budget_bytes is None

@@ -15,6 +15,7 @@ import numpy as np
 
 from jlms import _compat
 from jlms._config import OffloadConfig
+from jlms._cost import time_constants
 from jlms._liveness import Liveness, aval_nbytes, largest_equation
 from jlms._loops import ScanResidual
 from jlms._names import elide
@@ -142,8 +143,9 @@ class Plan:
   split_over_batch: tuple[str, ...] = ()
   #: A callable giving the time model's predicted (jax.jit's, this plan's)
   #: step times on `time_target`, evaluated when first asked for by
-  #: `baseline_step_time` or `step_time` (a training loop never asks).
-  step_times: Callable[[], tuple[StepTime, StepTime]] | None = (
+  #: `baseline_step_time` or `step_time` (a training loop never asks); its
+  #: keywords replace fields of the time model (`step_times_with`).
+  step_times: Callable[..., tuple[StepTime, StepTime]] | None = (
       dataclasses.field(default=None, repr=False, compare=False))
   #: The GPU whose time model predicts the step times.
   time_target: str | None = None
@@ -186,6 +188,24 @@ class Plan:
   def step_time(self) -> StepTime | None:
     """Predicted time of one step with this plan."""
     return self._predicted_times[1]
+
+  def step_times_with(self, efficiency: float | None = None,
+                      link_bytes_per_s: float | None = None
+                      ) -> tuple[StepTime | None, StepTime | None]:
+    """(jax.jit's, this plan's) predicted step times by the same time model
+    with other constants: every kind of kernel at `efficiency` of its
+    roofline, and the host link moving `link_bytes_per_s` each way (None:
+    the target's calibration and link, as `step_time`). With
+    `efficiency=1.0, link_bytes_per_s=55e9` it prices the plan as a
+    roofline schedule model of XLA's compiled program does
+    (../shared/tools/step_time.py), so that the two can be compared apart
+    from the calibration to a real H100."""
+    constants = time_constants(efficiency, link_bytes_per_s)
+    if self.step_times is None:
+      return None, None
+    if not constants:
+      return self._predicted_times
+    return self.step_times(**constants)
 
   @property
   def baseline_peak_bytes(self) -> int | None:

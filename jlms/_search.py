@@ -31,7 +31,7 @@ from typing import Any
 
 from jlms import _compat, _thresholds
 from jlms._analysed import (AnalysedProgram, PlanNeeded, PlannedStep, as_is,
-                            predict_times, rewrite_program,
+                            predict_planned, predict_times, rewrite_program,
                             rewrite_with_and_without_copies, serialized,
                             xla_compiled, xla_peak)
 from jlms._collectives import collective_bytes
@@ -272,10 +272,10 @@ class SearchRequest:
     whole = planned.plan.step_times
     if device_count(self.leaves) <= 1 or whole is None:
       return planned
-    plan = dataclasses.replace(planned.plan, split=self.split,
-                               step_times=lambda: (self.per_device_times(
-                                   whole(), self.plain.program, None,
-                                   "plain")))
+    plan = dataclasses.replace(
+        planned.plan, split=self.split,
+        step_times=lambda **constants: self.per_device_times(
+            whole(**constants), self.plain.program, None, "plain"))
     return dataclasses.replace(planned, plan=plan)
 
   def xla_peak(self, rewritten, host_inputs=(), fitted=True,
@@ -895,9 +895,9 @@ def _planned(request: SearchRequest, config, chosen: _Candidate
                                 placed.fusion)),
       split_over_batch=placed.split_runs,
       xla_target=request.target if measured is not None else None,
-      step_times=lambda: request.per_device_times(
-          (predict_times(times, plain)[0], result.step_time),
-          placed.program, measured, chosen.rewritten),
+      step_times=lambda **constants: request.per_device_times(
+          _chosen_times(request, chosen, constants), placed.program,
+          measured, chosen.rewritten),
       time_target=times.name, split=request.split,
       state_updated_in_loops=sum(c.updated_in_loop
                                  for c in placed.state_copies))
@@ -908,6 +908,21 @@ def _planned(request: SearchRequest, config, chosen: _Candidate
                      state=plain.state, fitted=True,
                      compiler_options=tuple(sorted(
                          chosen.compiler_options.items())))
+
+
+def _chosen_times(request: SearchRequest, chosen, constants: dict):
+  """(jax.jit's, the `chosen` fit's) predicted step times, by the time
+  model with its fields replaced by `constants` (none: as the fit priced
+  its choices)."""
+  times = dataclasses.replace(request.time, **constants)
+  baseline = predict_times(times, request.plain)[0]
+  result, placed = chosen.result, chosen.placed
+  if not constants:
+    return baseline, result.step_time
+  return baseline, predict_planned(
+      dataclasses.replace(result.target, **constants),
+      (placed.program, placed.liveness, placed.fusion), result.offloads,
+      SyncMode.NONE, chosen.residuals, placed.state_copies)
 
 
 def _ways(request: SearchRequest):

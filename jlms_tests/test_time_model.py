@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks import models
+import jlms
 from jlms._analysed import AnalysedProgram
 from jlms._cost import TARGETS, kernel_seconds, time_target
 from jlms._config import OffloadConfig, SyncMode
@@ -219,3 +220,56 @@ def test_where_no_copy_hides_the_sum_over_copies_is_the_walk_over_equations():
       assert summed.total_s == pytest.approx(walked.total_s, rel=1e-12)
       assert (summed.d2h_bytes, summed.h2d_bytes) == (walked.d2h_bytes,
                                                       walked.h2d_bytes)
+
+
+def _least_memory_scan_mlp_plan():
+  case = models.scan_mlp_case(layers=4, width=256, batch=1024)
+  return jlms.offload(case.step, target="h100", budget="min").plan(
+      *case.abstract_args())
+
+
+def test_a_plan_priced_again_with_other_constants_keeps_its_choices():
+  plan = _least_memory_scan_mlp_plan()
+  assert plan.step_time.d2h_bytes > 0  # it copies over the link
+  assert plan.step_times_with() == (plan.baseline_step_time, plan.step_time)
+  # The target's own link is the same model.
+  same = plan.step_times_with(link_bytes_per_s=H100.link_bytes_per_s)[1]
+  assert same == plan.step_time
+  roofline = plan.step_times_with(efficiency=1.0)[1]
+  half = plan.step_times_with(efficiency=0.5)[1]
+  # Every kernel runs at the share of its roofline asked for ...
+  assert half.compute_s == pytest.approx(2 * roofline.compute_s)
+  assert half.recompute_s == pytest.approx(2 * roofline.recompute_s)
+  assert roofline.compute_s < plan.step_time.compute_s
+  # ... and the same bytes cross the link.
+  assert (roofline.d2h_bytes, roofline.h2d_bytes) == (
+      plan.step_time.d2h_bytes, plan.step_time.h2d_bytes)
+  # On a slow link the copies are the step: at least one direction's
+  # bytes wait, at most both directions' one after the other.
+  slow = 1e6
+  crawling = plan.step_times_with(efficiency=1.0, link_bytes_per_s=slow)[1]
+  moved = (crawling.d2h_bytes, crawling.h2d_bytes)
+  assert max(moved) / slow * 0.99 <= crawling.exposed_transfer_s
+  assert crawling.exposed_transfer_s <= sum(moved) / slow
+  # jax.jit's program is priced with the same constants.
+  baseline = plan.step_times_with(efficiency=0.5)[0]
+  assert baseline.compute_s == pytest.approx(
+      2 * plan.step_times_with(efficiency=1.0)[0].compute_s)
+
+
+def test_a_step_that_fits_is_priced_again_as_jax_jits_program():
+  case = models.scan_mlp_case(layers=4, width=256, batch=1024)
+  plan = jlms.offload(case.step, target="h100").plan(*case.abstract_args())
+  assert not plan.offloaded
+  baseline, planned = plan.step_times_with(efficiency=1.0)
+  assert planned.compute_s == pytest.approx(baseline.compute_s)
+  assert planned.compute_s < plan.step_time.compute_s
+
+
+@pytest.mark.parametrize("constants", [dict(efficiency=0.0),
+                                       dict(efficiency=1.5),
+                                       dict(link_bytes_per_s=-1.0)])
+def test_constants_out_of_range_are_refused_with_what_to_give(constants):
+  plan = _least_memory_scan_mlp_plan()
+  with pytest.raises(ValueError, match="give"):
+    plan.step_times_with(**constants)

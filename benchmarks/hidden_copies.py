@@ -1,0 +1,148 @@
+"""Host copies under compute: the exposed copy time of issue 37's steps,
+by the schedule model of XLA's compiled program and by jlms's own model.
+
+    JAX_PLATFORMS=cpu python -m benchmarks.hidden_copies [--large] [--json PATH]
+
+Each step is planned by `jlms.offload` for an H100 and compiled deviceless
+(`jlms.xla_memory(..., target="h100")`). Rows:
+
+- `scan MLP, budget min`: the 16-layer MLP under `jax.lax.scan` (batch
+  4096, width 2048, float32, SGD) at `budget="min"`: its layers' inputs
+  streamed through host;
+- `GPT 4 x 4096, 16 GiB`: the scanned GPT of `models.zoo_gpt_case` (4
+  layers, width 4096, sequence 1024, batch 8, AdamW, float32, donated) at a
+  16 GiB budget: moments on host, updated inside the backward loop with
+  several buffers in flight;
+- `GPT 6.58B, plain`: the same GPT at 32 layers, its arguments on an H100,
+  plain `jlms.offload(step, donate_argnums=(0, 1))`: two moments on host;
+- with `--large`, `GPT 8.6B (42 x 4096), plain`: the deepest GPT of width
+  4096 that fits with its state on host (`benchmarks.largest_gpt`), with a
+  128 GB host budget.
+
+Columns: XLA's device peak and host argument bytes; the bytes each way
+over the link and the schedule model's total, compute and exposed copy
+time (`../shared/tools/step_time.py`); jlms's predicted total and exposed
+copy time as planned (the H100 calibration, 52 GB/s) and with the schedule
+model's constants (`benchmarks._predicted`: kernels at their roofline, 55
+GB/s); each exposed figure's error against the schedule model's, and the
+link floor (the larger direction's bytes at 55 GB/s). Not part of CI; the
+large row takes about ten minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import time
+
+import jax
+
+import jlms
+from benchmarks import frontier_cases, models
+from benchmarks._output import write_json
+from benchmarks._predicted import (SCHEDULE_MODEL_LINK_BYTES_PER_S,
+                                   prediction_columns, relative_error)
+from benchmarks.frontier import load_yardstick
+
+TARGET = "h100"
+GIB = 1 << 30
+DONATED = (0, 1)
+
+
+def _on_h100(case):
+  sharding = jax.sharding.SingleDeviceSharding(
+      jlms.target_devices(TARGET)[0])
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+      jax.eval_shape(case.make_args))
+
+
+def steps(large: bool):
+  """(name, offloaded step, abstract arguments) of each row."""
+  mlp = models.scan_mlp_case(layers=16, width=2048, batch=4096)
+  yield ("scan MLP, budget min",
+         jlms.offload(mlp.step, target=TARGET, budget="min"),
+         mlp.abstract_args())
+  small = models.zoo_gpt_case(seq=1024, batch_size=8, layers=4, width=4096,
+                              heads=32)
+  yield ("GPT 4 x 4096, 16 GiB",
+         jlms.offload(small.step, donate_argnums=DONATED, target=TARGET,
+                      budget=16 * GIB), small.abstract_args())
+  gpt = models.zoo_gpt_case(seq=1024, batch_size=8, layers=32, width=4096,
+                            heads=32)
+  yield ("GPT 6.58B, plain", jlms.offload(gpt.step, donate_argnums=DONATED),
+         _on_h100(gpt))
+  if large:
+    deep = frontier_cases.gpt(layers=42, width=4096, heads=32, seq=1024,
+                              batch=8, vocab=32768)
+    yield ("GPT 8.6B (42 x 4096), plain",
+           jlms.offload(deep.step, donate_argnums=DONATED,
+                        host_budget="128GB"), _on_h100(deep))
+
+
+def measure(name, step, args, yardstick) -> dict:
+  start = time.perf_counter()
+  plan = step.plan(*args)
+  planning_s = time.perf_counter() - start
+  memory = jlms.xla_memory(step, *args, target=TARGET)
+  row = {"step": name, "planning_s": round(planning_s, 1),
+         "peak_gib": round(memory.peak_bytes / GIB, 2),
+         "host_argument_gib": round(memory.host_argument_bytes / GIB, 2),
+         "state_leaves_on_host": plan.state_leaves,
+         **prediction_columns(plan)}
+  if yardstick is not None:
+    schedule = yardstick.estimate(memory.hlo_text)
+    moved = max(schedule["d2h_mib"], schedule["h2d_mib"]) * 2**20
+    row.update(
+        d2h_gib=round(schedule["d2h_mib"] / 1024, 2),
+        h2d_gib=round(schedule["h2d_mib"] / 1024, 2),
+        link_floor_ms=round(moved / SCHEDULE_MODEL_LINK_BYTES_PER_S * 1e3,
+                            2),
+        schedule_ms=round(schedule["total_ms"], 2),
+        schedule_compute_ms=round(schedule["compute_ms"], 2),
+        schedule_exposed_copy_ms=round(schedule["exposed_copy_ms"], 2))
+    row.update(
+        exposed_error=relative_error(row["predicted_exposed_copy_ms"],
+                                     row["schedule_exposed_copy_ms"]),
+        roofline_exposed_error=relative_error(
+            row["roofline_predicted_exposed_copy_ms"],
+            row["schedule_exposed_copy_ms"]),
+        roofline_error=relative_error(row["roofline_predicted_ms"],
+                                      row["schedule_ms"]))
+  return row
+
+
+COLUMNS = ("step", "peak_gib", "d2h_gib", "h2d_gib", "link_floor_ms",
+           "schedule_ms", "schedule_compute_ms", "schedule_exposed_copy_ms",
+           "predicted_ms", "predicted_exposed_copy_ms", "exposed_error",
+           "roofline_predicted_ms", "roofline_predicted_exposed_copy_ms",
+           "roofline_exposed_error", "roofline_error", "planning_s")
+
+
+def print_table(rows) -> None:
+  print(" | ".join(COLUMNS))
+  for row in rows:
+    print(" | ".join("-" if row.get(c) is None else str(row[c])
+                     for c in COLUMNS))
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--large", action="store_true",
+                      help="also the 42-layer GPT of width 4096")
+  parser.add_argument("--json", default=None)
+  options = parser.parse_args(argv)
+  yardstick = load_yardstick()
+  rows = [measure(name, step, args, yardstick)
+          for name, step, args in steps(options.large)]
+  print_table(rows)
+  result = {"target": TARGET, "jax": jax.__version__, "rows": rows}
+  write_json(options.json, result)
+  return result
+
+
+if __name__ == "__main__":
+  main()
