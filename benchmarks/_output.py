@@ -15,3 +15,12 @@ def write_json(path: str | None, result) -> None:
     with open(path, "w") as f:
       json.dump(result, f, indent=2,
                 default=lambda x: np.asarray(x).tolist())
+
+
+def print_table(rows, columns) -> None:
+  """Prints `rows` (dicts) as a " | "-separated table of `columns`, "-"
+  where a row has no figure."""
+  print(" | ".join(columns))
+  for row in rows:
+    print(" | ".join("-" if row.get(c) is None else str(row[c])
+                     for c in columns))

@@ -42,7 +42,7 @@ import jax
 
 import jlms
 from benchmarks import frontier_cases, models
-from benchmarks._output import write_json
+from benchmarks._output import print_table, write_json
 from benchmarks._predicted import (SCHEDULE_MODEL_LINK_BYTES_PER_S,
                                    prediction_columns, relative_error)
 from benchmarks.frontier import load_yardstick
@@ -122,13 +122,6 @@ COLUMNS = ("step", "peak_gib", "d2h_gib", "h2d_gib", "link_floor_ms",
            "roofline_exposed_error", "roofline_error", "planning_s")
 
 
-def print_table(rows) -> None:
-  print(" | ".join(COLUMNS))
-  for row in rows:
-    print(" | ".join("-" if row.get(c) is None else str(row[c])
-                     for c in COLUMNS))
-
-
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--large", action="store_true",
@@ -138,7 +131,7 @@ def main(argv=None) -> dict:
   yardstick = load_yardstick()
   rows = [measure(name, step, args, yardstick)
           for name, step, args in steps(options.large)]
-  print_table(rows)
+  print_table(rows, COLUMNS)
   result = {"target": TARGET, "jax": jax.__version__, "rows": rows}
   write_json(options.json, result)
   return result

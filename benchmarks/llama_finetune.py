@@ -2,7 +2,7 @@
 8B on one GPU, the 70B on the eight of one node.
 
     JAX_PLATFORMS=cpu python -m benchmarks.llama_finetune [--size 8b|70b]
-        [--layers N] [--batch B] [--host-budget 120GiB] [--json PATH]
+        [--layers N] [--batch B ...] [--host-budget 120GiB] [--json PATH]
 
 Hugging Face `transformers`' `FlaxLlamaForCausalLM` (a pinned 4.x) at
 Llama-3-8B's configuration (32 layers, width 4096, 32 heads, 8 key/value
@@ -19,9 +19,10 @@ donate_argnums=(0,), host_budget=...)` with the arguments on H100 devices
   rows, the mesh axis Auto (`benchmarks.sharded.shard_step_args`). The
   host budget is one process's pinned pool for the eight GPUs.
 
-One row, per device: planning seconds, XLA's device peak and host bytes of
-the program that runs, the plan's state on host, jlms's predicted step
-time (as planned, and with the schedule model's constants:
+One row per batch asked for (the one with the most tokens per second
+marked "best"), per device: planning seconds, XLA's device peak and host
+bytes of the program that runs, the plan's state on host, jlms's
+predicted step time (as planned, and with the schedule model's constants:
 `benchmarks._predicted`), the schedule model of XLA's program
 (`../shared/tools/step_time.py`) and, for several devices, with their
 exchanges on NVLink beside the kernels (`benchmarks.sharded_time`), the
@@ -160,17 +161,30 @@ def main(argv=None) -> dict:
   parser.add_argument("--size", choices=sorted(SIZES), default="8b")
   parser.add_argument("--layers", type=int, default=None,
                       help="fewer layers than the size's own")
-  parser.add_argument("--batch", type=int, default=None)
+  parser.add_argument("--batch", type=int, nargs="+", default=None,
+                      help="batches to plan, one row each; the best for "
+                           "throughput is marked (default: the size's)")
   parser.add_argument("--host-budget", default=None)
   parser.add_argument("--json", default=None)
   options = parser.parse_args(argv)
   spec = SIZES[options.size]
   host_budget = options.host_budget or spec["host_budget"]
-  row = measure(options.size, options.layers, options.batch, host_budget)
-  for key, value in row.items():
-    print(f"{key:36s} {value}")
+  rows = []
+  for batch in options.batch or [None]:
+    try:
+      rows.append(measure(options.size, options.layers, batch, host_budget))
+    except jlms.BudgetError as error:  # this batch does not fit
+      rows.append({"size": options.size, "batch": batch,
+                   "error": str(error).splitlines()[0]})
+  fitting = [row for row in rows if "tokens_per_s" in row]
+  if fitting:
+    max(fitting, key=lambda row: row["tokens_per_s"])["best"] = True
+  for row in rows:
+    print()
+    for key, value in row.items():
+      print(f"{key:36s} {value}")
   result = {"target": TARGET, "jax": jax.__version__,
-            "host_budget": host_budget, "rows": [row]}
+            "host_budget": host_budget, "rows": rows}
   write_json(options.json or str(RESULTS / spec["json"]), result)
   return result
 

@@ -41,7 +41,7 @@ from jax.sharding import AxisType
 
 import jlms
 from benchmarks import models
-from benchmarks._output import write_json
+from benchmarks._output import print_table, write_json
 from benchmarks._predicted import prediction_columns, relative_error
 from benchmarks.frontier import load_yardstick
 from benchmarks.sharded import mesh_of, shard_step_args
@@ -134,13 +134,6 @@ COLUMNS = ("size", "config", "peak_gib", "host_gib", "exchanged_gib",
            "seconds")
 
 
-def print_table(rows) -> None:
-  print(" | ".join(COLUMNS))
-  for row in rows:
-    print(" | ".join("-" if row.get(c) is None else str(row[c])
-                     for c in COLUMNS))
-
-
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", nargs="+", default=["small"],
@@ -153,7 +146,7 @@ def main(argv=None) -> dict:
   rows = []
   for size in args.sizes:
     rows.extend(measure(size, args.configs, yardstick))
-  print_table(rows)
+  print_table(rows, COLUMNS)
   result = {"target": TARGET, "topology": TOPOLOGY, "jax": jax.__version__,
             "layout": "fsdp, Auto mesh axis", "rows": rows}
   if args.json:
