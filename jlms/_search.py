@@ -45,7 +45,8 @@ from jlms._options import DEVICE, SearchOptions
 from jlms._progress import Progress
 from jlms._schedule import (per_device, scheduler_overlaps,
                             scheduler_slop_factor)
-from jlms._sharding import abstract_arguments, device_count, unseen_split
+from jlms._sharding import (abstract_arguments, argument_device_bytes,
+                            device_count, unseen_split)
 from jlms._state import (FITTED_COMPILER_OPTIONS, HostState, host_state,
                          largest_updates_first, state_pairs)
 from jlms._tradeoff import Tradeoff, TradeoffPoint
@@ -394,6 +395,17 @@ def _search_levels(request: SearchRequest, levels, plain_peak
   host_refused = []  # placements refused for host memory alone
   for number, plain in enumerate(levels):
     last = number == len(levels) - 1
+    held = _state_held_on_device(request, plain)
+    if not last and budget is not None and held > budget:
+      # Arguments stay in device memory the whole step: no plan of this
+      # placement fits (the 70B Llama over eight H100s keeps 131 GiB of
+      # state on each device until most of its moments are on host; each
+      # placement fitted costs minutes).
+      log.info("jlms: with %d state leaves on host, the state left on "
+               "each device takes %s, over the budget of %s by itself; "
+               "that placement is not fitted", len(plain.state.inputs),
+               format_bytes(held), format_bytes(budget))
+      continue
     try:
       planned = _search_budget(dataclasses.replace(request, plain=plain),
                                plain_peak, ask_xla_when_refused=last)
@@ -457,12 +469,23 @@ def _out_of_reach(request: SearchRequest, plain, error) -> bool:
   least = getattr(error, "least_by_xla", None)
   if least is None or request.budget is None:
     return False
+  return (least - request.budget
+          > _LEVEL_REACH * _state_held_on_device(request, plain))
+
+
+def _state_held_on_device(request: SearchRequest, plain) -> int:
+  """Bytes of the donated state that `plain` keeps on the device, as one
+  device holds them (XLA's peaks and the budget are one device's)."""
   on_host = set(plain.state.inputs)
-  program = plain.program
-  on_device = sum(aval_nbytes(program.avals[program.invars[i]])
-                  for i, _ in state_pairs(program, request.donated)
-                  if i not in on_host)
-  return least - request.budget > _LEVEL_REACH * on_device
+  program, leaves = plain.program, request.leaves
+  held = 0
+  for position, _ in state_pairs(program, request.donated):
+    if position in on_host:
+      continue
+    aval = program.avals[program.invars[position]]
+    leaf = leaves[position] if position < len(leaves) else None
+    held += argument_device_bytes(aval_nbytes(aval), aval, leaf)
+  return held
 
 
 def state_levels(request: SearchRequest) -> list:

@@ -101,6 +101,18 @@ def unseen_split(avals, leaves) -> int:
   return unseen
 
 
+def argument_device_bytes(nbytes: int, aval, leaf) -> int:
+  """Of an argument of `aval`, of which `nbytes` are counted per device
+  (`jlms._liveness.aval_nbytes`: its shard where the aval shows one), the
+  bytes one device holds: fewer where the argument's `leaf` is split over
+  devices that its aval does not show (Auto mesh axes)."""
+  shape = getattr(aval, "shape", None)
+  sharding = _concrete_sharding(leaf)
+  if shape is None or sharding is None or device_shape(aval) != tuple(shape):
+    return nbytes
+  return nbytes // _split(sharding, tuple(shape))
+
+
 def abstract_arguments(avals, leaves) -> list:
   """`ShapeDtypeStruct`s of the arguments, each with its leaf's sharding
   when it has one (so a compile measures one device of the sharded step)."""

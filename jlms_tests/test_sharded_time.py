@@ -125,3 +125,23 @@ def test_explicit_axes_price_a_devices_rows_of_each_contraction():
   ratio = (whole.baseline_step_time.compute_s
            / plan.baseline_step_time.compute_s)
   assert 6.5 < ratio <= 8.01  # 5.99 priced as one device
+
+
+def test_an_arguments_bytes_per_device_follow_its_placement():
+  from jax.sharding import NamedSharding, PartitionSpec
+  import jax.numpy as jnp
+  from jlms._liveness import aval_nbytes
+  from jlms._sharding import argument_device_bytes
+  mesh = mesh_of(jlms.target_devices("h100", "1x1x8"), AxisType.Auto)
+  aval = jax.core.ShapedArray((8, 1024), jnp.float32)
+  whole = aval_nbytes(aval)
+
+  def placed(*spec):
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype,
+                                sharding=NamedSharding(mesh,
+                                                       PartitionSpec(*spec)))
+
+  # Auto axes: the aval shows the whole array, the leaf says the split.
+  assert argument_device_bytes(whole, aval, placed("data")) == whole // 8
+  assert argument_device_bytes(whole, aval, placed()) == whole
+  assert argument_device_bytes(whole, aval, None) == whole

@@ -824,3 +824,32 @@ def test_a_pinned_host_batch_that_is_not_donated_is_left_to_the_program():
     new, loss = offloaded(_copy(params), pinned)
   np.testing.assert_allclose(float(loss), float(expected[1]), rtol=1e-5)
   _assert_close(new, expected[0])
+
+
+def test_a_placement_whose_state_alone_passes_the_budget_is_not_fitted(
+    caplog):
+  """Arguments stay in device memory for the whole step, so a placement
+  of the state that leaves more of it on the device than the budget
+  cannot fit: the search goes to the next without fitting or compiling
+  it. A scanned MLP with Adam, 192 MiB of state, at 185 MiB: the two
+  placements that keep it all on the device are passed over, and the plan
+  that moves the moments to host fits."""
+  import logging
+  case = models.scan_mlp_case(layers=4, width=2048, batch=64,
+                              optimizer=optax.adam(1e-3))
+  budget = 185 * 2**20
+  step = jlms.offload(case.step, donate_argnums=(0, 1), target="h100",
+                      budget=budget)
+  with caplog.at_level(logging.INFO, logger="jlms"):
+    plan = step.plan(*case.abstract_args())
+  skipped = [r.getMessage() for r in caplog.records
+             if "that placement is not fitted" in r.getMessage()]
+  assert len(skipped) == 2
+  assert all("with 0 state leaves on host" in m and "192.09 MiB" in m
+             for m in skipped)
+  # No placement keeping all the state on the device was fitted.
+  assert not any(r.getMessage().startswith("jlms: planning")
+                 and "state leaves on host" not in r.getMessage()
+                 and "fitting" in r.getMessage() for r in caplog.records)
+  assert plan.state_leaves > 0
+  assert plan.xla_peak_bytes <= budget
