@@ -1,7 +1,7 @@
 """The largest GPT decoder whose train step fits an 80 GiB H100, three ways.
 
     JAX_PLATFORMS=cpu python -m benchmarks.largest_gpt
-        [--sweeps depth-f32 depth-bf16 width-f32] [--json PATH]
+        [--sweeps depth-f32 depth-bf16 width-f32 llama-depth] [--json PATH]
 
 The model is `frontier_cases.gpt(compute_dtype=..., layers=L, width=W,
 heads=W // 128, seq=1024, batch=8, vocab=32768)`: AdamW, parameters and
@@ -28,7 +28,12 @@ size, down to one layer or 512 of width.
 - `depth-f32`: layers at width 4096 (32 heads), float32 compute;
 - `depth-bf16`: the same with bfloat16 compute;
 - `width-f32`: width (a multiple of 512, heads = width // 128) at 32
-  layers, float32 compute.
+  layers, float32 compute;
+- `llama-depth`: layers of Hugging Face `transformers`' Flax Llama at
+  Llama-3-8B's widths, float32 parameters and bfloat16 compute, batch 1 x
+  sequence 4096, AdamW, the state donated
+  (`benchmarks.llama_finetune.llama_step`); its jlms ways plan with a 120
+  GiB host budget.
 
 For the largest fitting size of each way the table gives its parameters,
 XLA's peak, the state the plan keeps on host and the predicted step time
@@ -47,6 +52,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import dataclasses
 import fcntl
 import json
 import pathlib
@@ -57,7 +63,7 @@ import jax
 import jax.numpy as jnp
 
 import jlms
-from benchmarks import frontier_cases
+from benchmarks import frontier_cases, llama_finetune
 from benchmarks.models import GIB
 from benchmarks.state_on_host import DONATED, TARGET, _first_line, measure
 
@@ -73,18 +79,44 @@ STATE_ON_HOST = "jlms, state on host"
 WAYS = (JIT, ACTIVATIONS, STATE_ON_HOST)
 
 # name: (what varies, its start for jax.jit, its resolution, compute dtype,
-# the model's other size).
+# the model's other size, the model).
 SWEEPS = {
-    "depth-f32": ("layers", 4, 1, jnp.float32, {"width": 4096}),
-    "depth-bf16": ("layers", 4, 1, jnp.bfloat16, {"width": 4096}),
-    "width-f32": ("width", 512, 512, jnp.float32, {"layers": 32}),
+    "depth-f32": ("layers", 4, 1, jnp.float32, {"width": 4096}, "gpt"),
+    "depth-bf16": ("layers", 4, 1, jnp.bfloat16, {"width": 4096}, "gpt"),
+    "width-f32": ("width", 512, 512, jnp.float32, {"layers": 32}, "gpt"),
+    "llama-depth": ("layers", 4, 1, jnp.bfloat16, {"width": 4096}, "llama"),
 }
 
+#: The host budget of the Llama sweep: issue 39's 120 GiB of pinned memory
+#: for the 8B's state on a 128 GiB machine.
+LLAMA_HOST_BUDGET = "120GiB"
 
-def _case(dtype, layers: int, width: int):
-  return frontier_cases.gpt(compute_dtype=dtype, layers=layers, width=width,
+
+@dataclasses.dataclass(frozen=True)
+class _Model:
+  """One size of a sweep's model: its step, where it is donated, and its
+  arguments on an H100."""
+  name: str
+  step: Callable
+  donated: tuple
+  args: tuple
+  parameters: int
+  host_budget: str | None = None
+
+
+def _model(family: str, dtype, layers: int, width: int) -> _Model:
+  if family == "llama":  # Llama-3-8B's widths, float32 state, bf16 compute
+    if width != 4096 or dtype != jnp.bfloat16:
+      raise ValueError("the Llama sweep has Llama-3-8B's width and dtypes")
+    step, args, parameters, _, _ = llama_finetune.llama_step("8b", layers)
+    return _Model(f"llama-3-8b-L{layers}", step, (0,), args, parameters,
+                  LLAMA_HOST_BUDGET)
+  case = frontier_cases.gpt(compute_dtype=dtype, layers=layers, width=width,
                             heads=width // HEAD_DIM, seq=SEQ, batch=BATCH,
                             vocab=VOCAB)
+  args = _args_on_h100(case)
+  return _Model(case.name, case.step, DONATED, args,
+                sum(x.size for x in jax.tree.leaves(args[0])))
 
 
 def _args_on_h100(case) -> tuple:
@@ -113,21 +145,20 @@ class Prober:
   from any jlms plan made for it."""
 
   def __init__(self, sweep: str):
-    self.vary, _, _, self.dtype, self.fixed = SWEEPS[sweep]
+    self.vary, _, _, self.dtype, self.fixed, self.family = SWEEPS[sweep]
     self.jit_seconds: dict[int, float | None] = {}
 
   def _model(self, size: int):
     shape = {**self.fixed, self.vary: size}
-    case = _case(self.dtype, shape["layers"], shape["width"])
-    args = _args_on_h100(case)
-    return shape, case, args
+    return shape, _model(self.family, self.dtype, shape["layers"],
+                         shape["width"])
 
   def probe(self, way: str, size: int) -> dict:
     """One size under one way: whether it fits, and its figures."""
-    shape, case, args = self._model(size)
+    shape, model = self._model(size)
     row: dict[str, Any] = {
         "way": way, **shape, "heads": shape["width"] // HEAD_DIM,
-        "parameters": sum(x.size for x in jax.tree.leaves(args[0])),
+        "parameters": model.parameters,
         "xla_peak_bytes": None, "state_leaves": None, "state_host_bytes": None,
         "predicted_s": None, "predicted_compute_s": None,
         "predicted_recompute_s": None, "predicted_exposed_copy_s": None,
@@ -136,14 +167,17 @@ class Prober:
     }
     start = time.perf_counter()
     if way == JIT:
-      measured = measure(case.name, way, jax.jit(case.step, donate_argnums=DONATED),
-                         args, None)
+      measured = measure(model.name, way, jax.jit(
+          model.step, donate_argnums=model.donated), model.args, None)
       row.update(xla_peak_bytes=measured["peak_bytes"], error=measured["error"])
     else:
-      step = jlms.offload(case.step, donate_argnums=DONATED,
-                          state_on_host=False if way == ACTIVATIONS else None)
+      options = {} if model.host_budget is None else {
+          "host_budget": model.host_budget}
+      step = jlms.offload(model.step, donate_argnums=model.donated,
+                          state_on_host=False if way == ACTIVATIONS else None,
+                          **options)
       try:
-        plan = step.plan(*args)
+        plan = step.plan(*model.args)
       except Exception as error:  # BudgetError: it does not fit
         row["error"] = _first_line(error)
       else:
@@ -163,10 +197,12 @@ class Prober:
     """jax.jit's predicted step time at `size`, from a jlms plan (one is
     made with the state on the device when none was)."""
     if size not in self.jit_seconds:
-      _, case, args = self._model(size)
-      step = jlms.offload(case.step, donate_argnums=DONATED, state_on_host=False)
+      _, model = self._model(size)
+      step = jlms.offload(model.step, donate_argnums=model.donated,
+                          state_on_host=False)
       try:
-        self.jit_seconds[size] = _seconds(step.plan(*args).baseline_step_time)
+        self.jit_seconds[size] = _seconds(
+            step.plan(*model.args).baseline_step_time)
       except Exception:  # no plan, no prediction
         self.jit_seconds[size] = None
     return self.jit_seconds[size]
@@ -212,13 +248,18 @@ def largest(fits: Callable[[int], bool], start: int, unit: int) -> tuple:
 def run_sweep(name: str, json_path: str | None) -> dict:
   """One sweep, its three ways in turn, each starting from the previous
   way's largest fitting size; the JSON is rewritten after every probe."""
-  vary, start, unit, dtype, fixed = SWEEPS[name]
+  vary, start, unit, dtype, fixed, family = SWEEPS[name]
   prober = Prober(name)
   result: dict[str, Any] = {
-      "varies": vary, **fixed, "compute_dtype": jnp.dtype(dtype).name,
+      "model": family, "varies": vary, **fixed,
+      "compute_dtype": jnp.dtype(dtype).name,
       "complete": False, "largest": {}, "smallest_not_fitting": {},
       "first_not_fitting": {}, "probes": [],
   }
+  if family == "llama":
+    result.update(seq=llama_finetune.SEQUENCE,
+                  batch=llama_finetune.SIZES["8b"]["batch"],
+                  host_budget=LLAMA_HOST_BUDGET)
   for way in WAYS:
     rows: dict[int, dict] = {}
 
