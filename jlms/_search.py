@@ -398,9 +398,9 @@ def _search_levels(request: SearchRequest, levels, plain_peak
     held = _state_held_on_device(request, plain)
     if not last and budget is not None and held > budget:
       # Arguments stay in device memory the whole step: no plan of this
-      # placement fits (the 70B Llama over eight H100s keeps 131 GiB of
-      # state on each device until most of its moments are on host; each
-      # placement fitted costs minutes).
+      # placement fits (the 70B Llama over eight H100s: 98.6 GiB of state
+      # a device with all of it there, 86.2 with the first share of its
+      # moments on host; each placement fitted took minutes).
       log.info("jlms: with %d state leaves on host, the state left on "
                "each device takes %s, over the budget of %s by itself; "
                "that placement is not fitted", len(plain.state.inputs),
