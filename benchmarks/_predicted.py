@@ -38,6 +38,22 @@ def prediction_columns(plan) -> dict:
   return columns
 
 
+def schedule_columns(schedule: dict) -> dict:
+  """The schedule model's figures of a compiled program (the dict of its
+  `estimate`): total, compute and exposed copy time, the bytes each way
+  over the host link, and the link floor (the larger direction's bytes at
+  the schedule model's link)."""
+  moved = max(schedule["d2h_mib"], schedule["h2d_mib"]) * 2**20
+  return {
+      "schedule_ms": round(schedule["total_ms"], 2),
+      "schedule_compute_ms": round(schedule["compute_ms"], 2),
+      "schedule_exposed_copy_ms": round(schedule["exposed_copy_ms"], 2),
+      "d2h_gib": round(schedule["d2h_mib"] / 1024, 2),
+      "h2d_gib": round(schedule["h2d_mib"] / 1024, 2),
+      "link_floor_ms": round(moved / SCHEDULE_MODEL_LINK_BYTES_PER_S * 1e3,
+                             2)}
+
+
 def relative_error(predicted: float | None, measured: float | None):
   """predicted / measured - 1, rounded; None where either is missing or
   the measure is zero."""

@@ -43,21 +43,14 @@ import jax
 import jlms
 from benchmarks import frontier_cases, models
 from benchmarks._output import print_table, write_json
-from benchmarks._predicted import (SCHEDULE_MODEL_LINK_BYTES_PER_S,
-                                   prediction_columns, relative_error)
+from benchmarks._predicted import (prediction_columns, relative_error,
+                                   schedule_columns)
 from benchmarks.frontier import load_yardstick
+from benchmarks.sharded import on_one_device
 
 TARGET = "h100"
 GIB = 1 << 30
 DONATED = (0, 1)
-
-
-def _on_h100(case):
-  sharding = jax.sharding.SingleDeviceSharding(
-      jlms.target_devices(TARGET)[0])
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-      jax.eval_shape(case.make_args))
 
 
 def steps(large: bool):
@@ -74,13 +67,14 @@ def steps(large: bool):
   gpt = models.zoo_gpt_case(seq=1024, batch_size=8, layers=32, width=4096,
                             heads=32)
   yield ("GPT 6.58B, plain", jlms.offload(gpt.step, donate_argnums=DONATED),
-         _on_h100(gpt))
+         on_one_device(gpt.abstract_args(), TARGET))
   if large:
     deep = frontier_cases.gpt(layers=42, width=4096, heads=32, seq=1024,
                               batch=8, vocab=32768)
     yield ("GPT 8.6B (42 x 4096), plain",
            jlms.offload(deep.step, donate_argnums=DONATED,
-                        host_budget="128GB"), _on_h100(deep))
+                        host_budget="128GB"),
+           on_one_device(deep.abstract_args(), TARGET))
 
 
 def measure(name, step, args, yardstick) -> dict:
@@ -94,16 +88,7 @@ def measure(name, step, args, yardstick) -> dict:
          "state_leaves_on_host": plan.state_leaves,
          **prediction_columns(plan)}
   if yardstick is not None:
-    schedule = yardstick.estimate(memory.hlo_text)
-    moved = max(schedule["d2h_mib"], schedule["h2d_mib"]) * 2**20
-    row.update(
-        d2h_gib=round(schedule["d2h_mib"] / 1024, 2),
-        h2d_gib=round(schedule["h2d_mib"] / 1024, 2),
-        link_floor_ms=round(moved / SCHEDULE_MODEL_LINK_BYTES_PER_S * 1e3,
-                            2),
-        schedule_ms=round(schedule["total_ms"], 2),
-        schedule_compute_ms=round(schedule["compute_ms"], 2),
-        schedule_exposed_copy_ms=round(schedule["exposed_copy_ms"], 2))
+    row.update(schedule_columns(yardstick.estimate(memory.hlo_text)))
     row.update(
         exposed_error=relative_error(row["predicted_exposed_copy_ms"],
                                      row["schedule_exposed_copy_ms"]),

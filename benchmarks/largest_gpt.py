@@ -65,6 +65,7 @@ import jax.numpy as jnp
 import jlms
 from benchmarks import frontier_cases, llama_finetune
 from benchmarks.models import GIB
+from benchmarks.sharded import on_one_device
 from benchmarks.state_on_host import DONATED, TARGET, _first_line, measure
 
 LIMIT_BYTES = int(79.1 * GIB)
@@ -114,16 +115,9 @@ def _model(family: str, dtype, layers: int, width: int) -> _Model:
   case = frontier_cases.gpt(compute_dtype=dtype, layers=layers, width=width,
                             heads=width // HEAD_DIM, seq=SEQ, batch=BATCH,
                             vocab=VOCAB)
-  args = _args_on_h100(case)
+  args = on_one_device(jax.eval_shape(case.make_args), TARGET)
   return _Model(case.name, case.step, DONATED, args,
                 sum(x.size for x in jax.tree.leaves(args[0])))
-
-
-def _args_on_h100(case) -> tuple:
-  sharding = jax.sharding.SingleDeviceSharding(jlms.target_devices(TARGET)[0])
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-      jax.eval_shape(case.make_args))
 
 
 def _seconds(step_time) -> float | None:

@@ -50,10 +50,10 @@ from jax.sharding import AxisType
 import jlms
 from benchmarks import real_models
 from benchmarks._output import write_json
-from benchmarks._predicted import (SCHEDULE_MODEL_LINK_BYTES_PER_S,
-                                   prediction_columns, relative_error)
+from benchmarks._predicted import (prediction_columns, relative_error,
+                                   schedule_columns)
 from benchmarks.frontier import load_yardstick
-from benchmarks.sharded import mesh_of, shard_step_args
+from benchmarks.sharded import mesh_of, on_one_device, shard_step_args
 from jlms._collectives import collective_bytes
 from jlms._cost import time_target
 
@@ -96,11 +96,7 @@ def llama_step(size: str, layers: int | None = None, batch: int | None = None):
   abstract = jax.eval_shape(make_args)
   devices = spec["devices"]
   if devices == 1:
-    sharding = jax.sharding.SingleDeviceSharding(
-        jlms.target_devices(TARGET)[0])
-    args = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-        abstract)
+    args = on_one_device(abstract, TARGET)
   else:
     mesh = mesh_of(jlms.target_devices(TARGET, f"1x1x{devices}"),
                    AxisType.Auto)
@@ -117,10 +113,8 @@ def measure(size: str, layers: int | None, batch: int | None,
   plan = offloaded.plan(*args)
   planning_s = time.perf_counter() - start
   memory = jlms.xla_memory(offloaded, *args, target=TARGET)
-  schedule = load_yardstick().estimate(memory.hlo_text)
-  link_floor_ms = (max(schedule["d2h_mib"], schedule["h2d_mib"]) * 2**20
-                   / SCHEDULE_MODEL_LINK_BYTES_PER_S * 1e3)
-  schedule_ms = schedule["total_ms"]
+  schedule = schedule_columns(load_yardstick().estimate(memory.hlo_text))
+  schedule_ms = schedule["schedule_ms"]
   row = {"size": size, "devices": devices, "batch": batch,
          "sequence": SEQUENCE, "parameters": parameters,
          "planning_s": round(planning_s, 1),
@@ -129,7 +123,7 @@ def measure(size: str, layers: int | None, batch: int | None,
          "host_temp_gib": round(memory.host_temp_bytes / 2**30, 2),
          "state_leaves_on_host": plan.state_leaves,
          "state_host_gib": round(plan.state_host_bytes / 2**30, 2),
-         **prediction_columns(plan)}
+         **prediction_columns(plan), **schedule}
   if devices > 1:
     exchanged = collective_bytes(memory.hlo_text, devices)
     nvlink_ms = exchanged / time_target(TARGET).interconnect_bytes_per_s * 1e3
@@ -139,17 +133,11 @@ def measure(size: str, layers: int | None, batch: int | None,
     schedule_ms = max(schedule_ms, nvlink_ms)
   flops_per_device = 6 * parameters * batch * SEQUENCE / devices
   row.update({
-      "schedule_ms": round(schedule["total_ms"], 1),
-      "schedule_compute_ms": round(schedule["compute_ms"], 1),
-      "schedule_exposed_copy_ms": round(schedule["exposed_copy_ms"], 1),
       "error": relative_error(row["predicted_ms"], schedule_ms),
       "roofline_error": relative_error(row["roofline_predicted_ms"],
                                        schedule_ms),
-      "d2h_gib": round(schedule["d2h_mib"] / 1024, 2),
-      "h2d_gib": round(schedule["h2d_mib"] / 1024, 2),
-      "link_floor_ms": round(link_floor_ms, 1),
-      "ratio_to_floor": round(schedule_ms / max(schedule["compute_ms"],
-                                                link_floor_ms), 2),
+      "ratio_to_floor": round(schedule_ms / max(
+          schedule["schedule_compute_ms"], schedule["link_floor_ms"]), 2),
       "tokens_per_s": round(batch * SEQUENCE / (schedule_ms / 1e3), 1),
       "mfu": round(flops_per_device / (schedule_ms / 1e3) / PEAK_FLOPS, 3),
   })

@@ -51,6 +51,14 @@ def _place(leaf, sharding):
   return jax.device_put(leaf, sharding)
 
 
+def on_one_device(abstract, target: str):
+  """`abstract`, a pytree of `ShapeDtypeStruct`s, placed on the first
+  device of `target`'s compile-only topology, so that jlms takes the target
+  and the device's budget from the arguments."""
+  sharding = jax.sharding.SingleDeviceSharding(jlms.target_devices(target)[0])
+  return jax.tree.map(lambda leaf: _place(leaf, sharding), abstract)
+
+
 def _fsdp_spec(shape, size: int) -> PartitionSpec:
   """Split the largest axis `size` divides; replicate when none is."""
   axes = [i for i, n in enumerate(shape) if n % size == 0 and n >= size]

@@ -50,6 +50,7 @@ from benchmarks import models
 from benchmarks._output import write_json
 from benchmarks._predicted import prediction_columns
 from benchmarks.frontier import YARDSTICK_PATH, _cell, load_yardstick
+from benchmarks.sharded import on_one_device
 
 TARGET = "h100"
 GIB = models.GIB
@@ -157,11 +158,7 @@ def large_rows(yardstick) -> list[dict]:
   """Part 2: the 6.58B-parameter GPT, its arguments on an H100, under
   jax.jit and under plain `jlms.offload`, with the yardstick ratio."""
   case = models.zoo_gpt_case(seq=1024, batch_size=8, layers=32, width=4096, heads=32)
-  device = jlms.target_devices(TARGET)[0]
-  sharding = jax.sharding.SingleDeviceSharding(device)
-  args = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-      jax.eval_shape(case.make_args))
+  args = on_one_device(jax.eval_shape(case.make_args), TARGET)
   model = "gpt 6.58B"
   parameters = sum(x.size for x in jax.tree.leaves(args[0]))
   step = jlms.offload(case.step, donate_argnums=DONATED)
