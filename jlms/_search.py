@@ -699,8 +699,17 @@ def _search_budget(request: SearchRequest, plain_peak,
       fitted, *others = _near(ranked_fits(request, searched))
     simulator_refused = False
   except BudgetError as error:
-    if (target is None or budget is None or error.smallest_bytes is None
-        or not ask_xla_when_refused):
+    if budget is None or error.smallest_bytes is None:
+      raise
+    if target is None and unseen <= 1 and ask_xla_when_refused:
+      # With no XLA to ask, at the last placement of the state: a fit
+      # toward a budget stops where its greedy choices do, and a fit for
+      # the least memory may go lower (a scanned BatchNorm CNN: 1122660
+      # bytes for `budget="min"`, where a fit for that many stopped 16
+      # bytes over it).
+      fitted = _least_within(request, searched, error)
+      return _planned(request, config, _rewritten(request, config, fitted))
+    if not ask_xla_when_refused:
       raise
     # The simulator overstates some peaks (a loop body's working memory
     # most): XLA says whether jlms's least-memory plan fits after all.
@@ -756,6 +765,24 @@ def _search_budget(request: SearchRequest, plain_peak,
     chosen = _confirmed(request, config, chosen, searched, plain_peak,
                         simulator_refused, others)
   return _planned(request, config, chosen)
+
+
+def _least_within(request: SearchRequest, budget: int, refused: BudgetError):
+  """The fastest of the ways' least-memory fits whose predicted peak is
+  at most `budget`; where none is, `refused` naming the least of them."""
+  least = ranked_fits(request, None)
+  within = [f for f in least if f[2].timeline.peak_bytes <= budget]
+  if within:
+    return min(within, key=lambda f: f[2].step_time.total_s)
+  smallest = min(f[2].timeline.peak_bytes for f in least)
+  if smallest >= refused.smallest_bytes:
+    raise refused
+  error = BudgetError(
+      f"jlms: the step does not fit a budget of {format_bytes(budget)}: "
+      f"the smallest peak jlms reaches is {format_bytes(smallest)}; raise "
+      "the budget to at least that")
+  error.smallest_bytes = smallest
+  raise error from refused
 
 
 def _least_by_xla(request: SearchRequest, config, chosen: _Candidate,
