@@ -61,6 +61,17 @@ SLOW = ("gemma2", "resnet50")
 #: test (`serialize_by_size`): each tiny model has values above it.
 SERIALIZE_BYTES = 1 << 20
 
+#: Float32 tolerances wider than `F32_TOLERANCE`, each explained. The tiny
+#: ResNet-50: AdamW divides each gradient element by its running
+#: magnitude, and some of this model's are at rounding level (about 1e-8,
+#: Adam's eps): such an element moves its parameter by up to the learning
+#: rate (1e-4) whatever its rounding. Two float32 programs that sum in
+#: another order (jlms's, jax.jit's) agree to 6e-7 after the first step,
+#: and then part by 3.5e-5 of the largest parameter at the second and
+#: 3.2e-4 of the largest Adam moment at the third (JAX 0.10.2, measured
+#: 2026-11-29; an earlier environment stayed under 1e-5).
+F32_TOLERANCE_OF = {"resnet50": 1e-3}
+
 #: CPU compiles of the bfloat16 steps round to bfloat16 wherever the
 #: program says (see test_properties): with excess precision XLA keeps
 #: float32 between a producer and a reader fused together, and jlms's
@@ -202,8 +213,8 @@ def _step_error(actual, expected) -> float:
 def _assert_outputs_agree(model, stepper, plan):
   case = model.case
   actual = _run(case, stepper, place=not case.nnx)
-  tolerance = (F32_TOLERANCE if case.compute_dtype == "float32"
-               else BF16_TOLERANCE)
+  tolerance = (F32_TOLERANCE_OF.get(model.name, F32_TOLERANCE)
+               if case.compute_dtype == "float32" else BF16_TOLERANCE)
   for step, (a, e) in enumerate(zip(actual, model.expected())):
     error = _step_error(a, e)
     assert error <= tolerance, (
