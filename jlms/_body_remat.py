@@ -45,8 +45,9 @@ from jlms._loop_remat import (cheapest, loop_rematerializations,
 from jlms._program import Program, flatten
 from jlms._retrace import atom_aval, traced_call, unwrapped_call
 from jlms._rewrite import rewrite
-from jlms._segment_remat import (REMAKING_SCOPE, forward_cuts, forward_end,
-                                 rematerialize_segments, segment_remats)
+from jlms._segment_remat import (forward_cuts, forward_end,
+                                 rematerialize_segments, remaking_barriers,
+                                 segment_remats)
 
 log = logging.getLogger("jlms")
 
@@ -141,11 +142,8 @@ def _scan_with_body(equation, body: Program, avals):
   _, body_consts = _compat.jaxpr_parts(layout.body)
   # Its weight gradients made before each remaking, not held to the end
   # of the body, where the accumulating adds run.
-  barriers = tuple(i for i, e in enumerate(body.equations)
-                   if e.primitive is _compat.barrier_p
-                   and REMAKING_SCOPE in str(e.name_stack))
   closed = rewrite(body, (), OffloadConfig(), pin_contractions=True,
-                   pin_before=barriers)
+                   pin_before=remaking_barriers(body))
   jaxpr, consts = _compat.jaxpr_parts(closed)
   nc, nk = layout.num_consts, layout.num_carry
 

@@ -63,6 +63,16 @@ _MIDDLE_SHARE = 1 / 16
 REMAKING_SCOPE = "jlms/remat_segment"
 
 
+def remaking_barriers(program: Program) -> tuple[int, ...]:
+  """The indices of the barriers that tie each remaking of `program` to its
+  place (`rematerialize_segments`, `jlms._body_remat`): where the rewrite
+  pins the weight-gradient contractions made before them
+  (`jlms._rewrite.rewrite`'s `pin_before`)."""
+  return tuple(i for i, e in enumerate(program.equations)
+               if e.primitive is _compat.barrier_p
+               and REMAKING_SCOPE in str(e.name_stack))
+
+
 @dataclasses.dataclass(frozen=True)
 class SegmentRemat:
   """One segment's remaking: `chain` (forward equation indices, in order)
