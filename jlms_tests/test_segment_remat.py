@@ -277,8 +277,7 @@ def test_each_remade_segments_weight_gradients_run_before_the_next_remaking(
                host_inputs=(), fitted=True, options=None):
     # Only the plans of remade segments fit: the plan under test is one.
     program = flatten(rewritten)
-    if any(_segment_remat.REMAKING_SCOPE in str(e.name_stack)
-           for e in program.equations):
+    if _segment_remat.remaking_barriers(program):
       return simulate(program, analyse(program)).peak_bytes
     return 2 * budget
 
