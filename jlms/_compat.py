@@ -550,6 +550,19 @@ def loop_trip_count(eqn) -> int | None:
   return None
 
 
+def loop_carries(eqn) -> tuple[tuple[int, int], ...]:
+  """(input position, output position) of each carry of a loop equation:
+  a scan's carries, a `while`'s (after its condition's and body's
+  consts); () for anything else."""
+  if eqn.primitive is scan_p:
+    layout = scan_layout(eqn)
+    return tuple((layout.num_consts + i, i) for i in range(layout.num_carry))
+  if eqn.primitive is _prims.while_p:
+    skipped = _param(eqn, "cond_nconsts") + _param(eqn, "body_nconsts")
+    return tuple((skipped + i, i) for i in range(len(eqn.outvars)))
+  return ()
+
+
 def pruned_jaxpr(closed, outputs: list[int]):
   """`closed` (same inputs) computing only its outputs at `outputs`: the
   equations nothing kept reads are dropped (effectful ones are kept)."""

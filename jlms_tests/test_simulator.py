@@ -343,3 +343,31 @@ def test_a_donating_steps_predicted_peak_is_xlas_within_5_percent():
   measured = jlms.xla_memory(xla, *args, target="h100").peak_bytes
   assert abs(plan.baseline_peak_bytes / measured - 1) <= 0.05, (
       plan.baseline_peak_bytes, measured)
+
+
+def _at_the_loop(step, x):
+  program, liveness = _program(step, x)
+  loop = next(i for i, e in enumerate(program.equations)
+              if e.primitive is _compat.scan_p)
+  return int(simulate(program, liveness).device_bytes[loop])
+
+
+def test_a_loops_carry_runs_in_its_initial_values_buffer():
+  # XLA gives a loop's carry its initial value's buffer when nothing reads
+  # that value after the loop: one buffer at the loop, not two. Read after
+  # the loop, the initial value keeps its own.
+  def add_ones(carry, _):
+    return carry + 1.0, None
+
+  def dropped(a):
+    total, _ = jax.lax.scan(add_ones, jnp.sin(a), None, length=4)
+    return total.sum()
+
+  def kept(a):
+    start = jnp.sin(a)
+    total, _ = jax.lax.scan(add_ones, start, None, length=4)
+    return total.sum() + start.sum()
+
+  x = jnp.ones((1024, 1024))  # 4 MiB
+  assert _at_the_loop(dropped, x) < 4 * MIB + 4 * MIB + MIB
+  assert _at_the_loop(kept, x) >= 4 * MIB + 2 * 4 * MIB
