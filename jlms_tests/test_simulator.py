@@ -345,17 +345,12 @@ def test_a_donating_steps_predicted_peak_is_xlas_within_5_percent():
       plan.baseline_peak_bytes, measured)
 
 
-def _at_the_loop(step, x):
-  program, liveness = _program(step, x)
-  loop = next(i for i, e in enumerate(program.equations)
-              if e.primitive is _compat.scan_p)
-  return int(simulate(program, liveness).device_bytes[loop])
-
-
 def test_a_loops_carry_runs_in_its_initial_values_buffer():
   # XLA gives a loop's carry its initial value's buffer when nothing reads
-  # that value after the loop: one buffer at the loop, not two. Read after
-  # the loop, the initial value keeps its own.
+  # that value after the loop: one buffer at the loop, not two (counted
+  # twice, a split loss's 2.2 GiB gradient totals put Gemma2-2B's
+  # least-memory plan 3.5 GiB over XLA's). Read after the loop, the
+  # initial value keeps its own. Both as XLA has them for an H100.
   def add_ones(carry, _):
     return carry + 1.0, None
 
@@ -366,8 +361,12 @@ def test_a_loops_carry_runs_in_its_initial_values_buffer():
   def kept(a):
     start = jnp.sin(a)
     total, _ = jax.lax.scan(add_ones, start, None, length=4)
-    return total.sum() + start.sum()
+    return (total * start).sum()
 
-  x = jnp.ones((1024, 1024))  # 4 MiB
-  assert _at_the_loop(dropped, x) < 4 * MIB + 4 * MIB + MIB
-  assert _at_the_loop(kept, x) >= 4 * MIB + 2 * 4 * MIB
+  x = jax.ShapeDtypeStruct((2048, 2048), jnp.float32)  # 16 MiB
+  for step, buffers in ((dropped, 2), (kept, 3)):
+    program, liveness = _program(step, x)
+    predicted = simulate(program, liveness).peak_bytes
+    measured = jlms.xla_memory(jax.jit(step), x, target="h100").peak_bytes
+    assert abs(predicted - buffers * 16 * MIB) < MIB, (step, predicted)
+    assert abs(predicted / measured - 1) < 0.01, (step, predicted, measured)
