@@ -23,9 +23,13 @@ Two pure steps:
   then takes every so many indices (`_chunk_count`).
 - `split_over_batch` rewrites the program: the region's whole-valued
   equations first, then one `lax.scan` over the chunks (cut inputs
-  sliced, cut outputs joined, partial sums added to totals started from
-  zeros, in float32 where the value is a narrower float), then the
-  equations that read the sums.
+  sliced, cut outputs joined, partial sums added in float32 where the
+  value is a narrower float), then the equations that read the sums. The
+  totals start from zeros, or, when asked (a budget's fit), from the
+  first chunk's partial sums, that chunk run before the loop: no zeros
+  written whole, but in a least-memory plan XLA held the totals twice
+  (Gemma2-2B: 9.83 GiB, against 7.71 from zeros; Llama-3.2-3B at
+  remat's peak: 727.0 ms from the first chunk, 740.4 from zeros).
 
 Guarantees: the rewritten program computes what the program computes, up
 to the additions over chunks: a sum over the batch is added chunk by
@@ -399,9 +403,12 @@ def _joined(stacked, axis: int, interleaved: bool = False):
                        *shape[axis + 2:])
 
 
-def split_over_batch(program: Program, split: BatchSplit) -> Program:
+def split_over_batch(program: Program, split: BatchSplit,
+                     totals_from_first_chunk: bool = False) -> Program:
   """`program` with `split`'s region run chunk by chunk (see the module
-  docstring); the values it hands on keep their ids."""
+  docstring); the values it hands on keep their ids. With
+  `totals_from_first_chunk`, a region that sums runs its first chunk
+  before the loop, and its partial sums start the totals."""
   graph = _Graph.of(program)
   region = set(split.equations)
   axes, chunks = split.axes, split.chunks
@@ -470,17 +477,21 @@ def split_over_batch(program: Program, split: BatchSplit) -> Program:
                            for x in whole_chunked])
       return [c + s.astype(c.dtype) for c, s in zip(carry, sums)], ys
 
-    # The totals start from zeros written whole (Llama-3.2-3B's head
-    # gradient: 1.5 GiB, 0.47 ms on an H100). Starting them from the first
-    # chunk's partial sums, run before the loop, saves that write, but XLA
-    # then held the loop's totals twice (the first chunk's sums reach the
-    # loop through the rewrite's barriers, and the loop's addition no
-    # longer wrote in place): Gemma2-2B's least memory 7.71 GiB with
-    # zeros, 9.83 GiB started from the first chunk.
-    zeros = [jnp.zeros(program.avals[v].shape,
-                       _accumulated(program.avals[v].dtype)) for v in summed]
-    totals, ys = jax.lax.scan(iteration, zeros,
-                              jnp.arange(chunks, dtype=jnp.int32))
+    if summed and totals_from_first_chunk:
+      # No zeros written whole to start the totals from (Llama-3.2-3B's
+      # head gradient: 1.5 GiB, 0.47 ms on an H100): 0 + x is x.
+      first_sums, first_ys = partials([x[0] for x in whole_chunked])
+      totals, rest = jax.lax.scan(
+          iteration, [s.astype(_accumulated(program.avals[v].dtype))
+                      for s, v in zip(first_sums, summed)],
+          jnp.arange(1, chunks, dtype=jnp.int32))
+      ys = [jnp.concatenate([first[None], others])
+            for first, others in zip(first_ys, rest)]
+    else:
+      zeros = [jnp.zeros(program.avals[v].shape,
+                         _accumulated(program.avals[v].dtype)) for v in summed]
+      totals, ys = jax.lax.scan(iteration, zeros,
+                                jnp.arange(chunks, dtype=jnp.int32))
     env.update((v, t.astype(program.avals[v].dtype))
                for v, t in zip(summed, totals))
     env.update((v, _joined(y, axes[v], split.interleaved))
@@ -511,19 +522,22 @@ def split_over_batch(program: Program, split: BatchSplit) -> Program:
                              avals=program.avals + retraced.new_avals)
 
 
-def split_runs(program: Program, limit: int = 8, devices: int = 1
+def split_runs(program: Program, limit: int = 8, devices: int = 1,
+               totals_from_first_chunk: bool = False
                ) -> tuple[Program, list]:
   """`program` with up to `limit` regions run in chunks, one after
   another; and the description of each. A region whose rewrite fails is
   left as it is (debug log) and the search stops there. `devices`: as
-  `batch_splits` takes it."""
+  `batch_splits` takes it; `totals_from_first_chunk`: as
+  `split_over_batch` takes it."""
   described = []
   for _ in range(limit):
     try:
       found = batch_splits(program, devices)
       if not found:
         break
-      rewritten = split_over_batch(program, found[0])
+      rewritten = split_over_batch(program, found[0],
+                                   totals_from_first_chunk)
     except Exception as error:  # noqa: BLE001 -- this region only
       log.debug("jlms: batch split left out (%s: %s)",
                 type(error).__name__, error)

@@ -985,7 +985,8 @@ def _ways(request: SearchRequest):
   request.progress.stage("analysing the ways its loops can run")
   return placed_ways(request.plain, request.options.config,
                      request.options.target, request.ways,
-                     device_count(request.leaves))
+                     device_count(request.leaves),
+                     least_memory=request.budget is None)
 
 
 def _fit_way(request: SearchRequest, way, budget: int | None, host_budget):

@@ -300,11 +300,14 @@ STRATEGIES = (LoopsAsTheyAre(), InputsMadeInLoops(), LoopsRemaking(),
 
 
 def loop_ways(plain: AnalysedProgram, config: OffloadConfig,
-              target_name: str | None, devices: int = 1) -> Iterator[Way]:
+              target_name: str | None, devices: int = 1,
+              least_memory: bool = False) -> Iterator[Way]:
   """Each way the step's scans can run (see the module docstring); only
   the step as it is where `config.scan_residuals` is off. `devices`: how
-  many devices the step spans (a batch split divides each one's share)."""
-  start = _start(plain, config, devices)
+  many devices the step spans (a batch split divides each one's share);
+  `least_memory`: the ways are for the least memory, not a budget (a
+  batch split's totals start from zeros, `jlms._batch_split`)."""
+  start = _start(plain, config, devices, least_memory)
   yield from STRATEGIES[0].ways(start, None, config, None)
   if not config.scan_residuals:
     return
@@ -319,7 +322,7 @@ def loop_ways(plain: AnalysedProgram, config: OffloadConfig,
 
 
 def _start(plain: AnalysedProgram, config: OffloadConfig,
-           devices: int = 1) -> _Start:
+           devices: int = 1, least_memory: bool = False) -> _Start:
   """The step's program, with its runs split over the batch where
   `config.split_batch` (a split that fails leaves the step as it is), and,
   where the state stays on the device, each parameter's update where its
@@ -327,7 +330,9 @@ def _start(plain: AnalysedProgram, config: OffloadConfig,
   program, described = plain.program, ()
   if config.split_batch:
     try:
-      program, described = split_runs(plain.program, devices=devices)
+      program, described = split_runs(
+          plain.program, devices=devices,
+          totals_from_first_chunk=not least_memory)
     except Exception as error:  # noqa: BLE001 -- the split only
       log.debug("jlms: no batch split (%s: %s)", type(error).__name__,
                 error)
@@ -367,26 +372,28 @@ class WayCache:
   def __init__(self):
     self._entries: dict = {}
 
-  def get(self, plain, build):
-    cached = self._entries.get(id(plain))
+  def get(self, plain, build, least_memory: bool = False):
+    key = (id(plain), least_memory)
+    cached = self._entries.get(key)
     if cached is None or cached[0] is not plain:
-      cached = self._entries[id(plain)] = (plain, tuple(build()))
+      cached = self._entries[key] = (plain, tuple(build()))
       if len(self._entries) > _CACHE_SIZE:
         self._entries.pop(next(iter(self._entries)))
     return cached[1]
 
 
 def placed_ways(plain: AnalysedProgram, config: OffloadConfig,
-                target_name: str | None, cache: WayCache, devices: int = 1
-                ) -> tuple[PlacedWay, ...]:
+                target_name: str | None, cache: WayCache, devices: int = 1,
+                least_memory: bool = False) -> tuple[PlacedWay, ...]:
   """Each of `loop_ways`, with `plain.state` kept as it says and the
   residuals streamed, analysed with fused equations placed at their
-  readers; once per analysed step. A way that the state's or the
+  readers; once per analysed step and `least_memory` (as `loop_ways`
+  takes it). A way that the state's or the
   residuals' rewrite cannot take is left out (debug log), except the
   first, the step as it is."""
   def build():
     for number, way in enumerate(loop_ways(plain, config, target_name,
-                                           devices)):
+                                           devices, least_memory)):
       try:
         yield _placed(plain, way)
       except Exception as error:  # noqa: BLE001 -- this way only
@@ -394,7 +401,7 @@ def placed_ways(plain: AnalysedProgram, config: OffloadConfig,
           raise
         log.debug("jlms: %s left out (%s: %s)", way.description,
                   type(error).__name__, error)
-  return cache.get(plain, build)
+  return cache.get(plain, build, least_memory)
 
 
 def _placed(plain: AnalysedProgram, way: Way) -> PlacedWay:

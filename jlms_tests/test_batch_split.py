@@ -152,12 +152,17 @@ def test_a_head_whose_gradient_is_large_is_still_worth_splitting():
     assert max_relative_error(got, want) < F32_TOLERANCE
 
 
-@pytest.mark.parametrize("integer_labels", [False, True])
-def test_the_split_program_computes_what_the_step_computes(integer_labels):
+@pytest.mark.parametrize("integer_labels,from_first_chunk",
+                         [(False, False), (True, False), (True, True)])
+def test_the_split_program_computes_what_the_step_computes(
+    integer_labels, from_first_chunk):
+  # Totals started from zeros (the least memory) or from the first chunk's
+  # partial sums, run before the loop (a budget's fit): the same sums.
   step, args = _lm_step(integer_labels=integer_labels)
   program = _program_of(step, args)
   with _thresholds.overridden(batch_split_min_bytes=1):
-    split_program, described = _batch_split.split_runs(program)
+    split_program, described = _batch_split.split_runs(
+        program, totals_from_first_chunk=from_first_chunk)
     (split,) = _batch_split.batch_splits(program)
   assert described
   names = {program.equations[i].primitive.name for i in split.equations}
