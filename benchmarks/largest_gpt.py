@@ -2,6 +2,7 @@
 
     JAX_PLATFORMS=cpu python -m benchmarks.largest_gpt
         [--sweeps depth-f32 depth-bf16 width-f32 llama-depth] [--json PATH]
+        [--resume]
 
 The model is `frontier_cases.gpt(compute_dtype=..., layers=L, width=W,
 heads=W // 128, seq=1024, batch=8, vocab=32768)`: AdamW, parameters and
@@ -239,11 +240,28 @@ def largest(fits: Callable[[int], bool], start: int, unit: int) -> tuple:
   return fit, fail, first_fail
 
 
-def run_sweep(name: str, json_path: str | None) -> dict:
+def _saved_probes(path: str | None, sweep: str) -> dict:
+  """The probes of `sweep` in the JSON at `path`, by (way, size): where a
+  sweep stopped before its end (hours for the Llama's), `--resume` takes
+  them instead of probing those sizes again."""
+  if not path or not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    text = f.read()
+  saved = (json.loads(text) if text.strip() else {}).get("sweeps", {})
+  vary = SWEEPS[sweep][0]
+  return {(row["way"], row[vary]): row
+          for row in saved.get(sweep, {}).get("probes", ())}
+
+
+def run_sweep(name: str, json_path: str | None, resume: bool = False) -> dict:
   """One sweep, its three ways in turn, each starting from the previous
-  way's largest fitting size; the JSON is rewritten after every probe."""
+  way's largest fitting size; the JSON is rewritten after every probe.
+  With `resume`, the probes the JSON holds of this sweep are taken as
+  they are (`_saved_probes`)."""
   vary, start, unit, dtype, fixed, family = SWEEPS[name]
   prober = Prober(name)
+  saved = _saved_probes(json_path, name) if resume else {}
   result: dict[str, Any] = {
       "model": family, "varies": vary, **fixed,
       "compute_dtype": jnp.dtype(dtype).name,
@@ -258,7 +276,7 @@ def run_sweep(name: str, json_path: str | None) -> dict:
     rows: dict[int, dict] = {}
 
     def fits(size: int, way=way, rows=rows) -> bool:
-      rows[size] = prober.probe(way, size)
+      rows[size] = saved.get((way, size)) or prober.probe(way, size)
       result["probes"].append(rows[size])
       print(format_probe(name, rows[size]), flush=True)
       _save(json_path, name, result)
@@ -346,9 +364,13 @@ def main(argv=None) -> dict:
   parser.add_argument("--sweeps", nargs="+", choices=list(SWEEPS),
                       default=list(SWEEPS))
   parser.add_argument("--json", default=str(DEFAULT_JSON))
+  parser.add_argument("--resume", action="store_true",
+                      help="take the probes the JSON holds of each sweep "
+                      "instead of probing those sizes again")
   args = parser.parse_args(argv)
   started = time.perf_counter()
-  results = {name: run_sweep(name, args.json) for name in args.sweeps}
+  results = {name: run_sweep(name, args.json, args.resume)
+             for name in args.sweeps}
   print(_HEADER)
   for name, result in results.items():
     for way in WAYS:
