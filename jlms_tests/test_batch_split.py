@@ -171,6 +171,9 @@ def test_the_split_program_computes_what_the_step_computes(
   loops = [e for e in split_program.equations
            if e.primitive is _compat.scan_p]
   assert loops, "the region runs as a scan over chunks"
+  # The first chunk, where it starts the totals, runs before the loop.
+  lengths = {_compat.scan_layout(e.eqn).length for e in loops}
+  assert lengths == {split.chunks - from_first_chunk}, lengths
   expected = _run(program, args)
   actual = _run(split_program, args)
   for a, e in zip(actual, expected):
