@@ -204,6 +204,10 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
     leaves = [a for a in dict.fromkeys(
         a for eq in chain for a in eq.inputs if isinstance(a, int))
               if a not in made and _tieable(env[a])]
+    if any(has_buffer(a) for a in leaves):
+      # A fused-away input (a broadcast zero) is made inside the chain's
+      # kernels; through the barrier it would be a buffer of its own.
+      leaves = [a for a in leaves if has_buffer(a)]
     # As for a swap-in: every reader of a value brought back earlier must
     # have run, or XLA postpones them (weight gradients) to the step's end,
     # each holding what it reads.

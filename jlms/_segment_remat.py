@@ -289,10 +289,11 @@ def rematerialize_segments(program: Program,
   # barrier).
   end = forward_end(program) or 0
   made_backward = {v for e in program.equations[end:] for v in e.outputs}
+  fills = _constant_fills(program)
   for index, equation in enumerate(program.equations):
     for remat in by_place.get(index, ()):
       equations.extend(_remade(program, remat, equation, read, renamed,
-                               new_id, made_backward))
+                               new_id, made_backward, fills))
     equations.append(dataclasses.replace(
         equation, inputs=tuple(read(a) for a in equation.inputs)))
   outvars = tuple(read(a) for a in program.outvars)
@@ -300,17 +301,46 @@ def rematerialize_segments(program: Program,
                              outvars=outvars, avals=tuple(avals))
 
 
+def _constant_fills(program: Program) -> frozenset:
+  """The values that broadcast one constant scalar (a zero fill, made from
+  literals alone): XLA computes them inside each kernel that reads them,
+  unless a barrier reads one, which gives it a buffer. (Not broadcasts of
+  other values: left untied, the remakings' dropout masks, each made from
+  broadcasts of the same two counter vectors, were fused into one kernel
+  and held: GPT-2 medium at remat's peak, 7.41 to 7.79 GiB.)"""
+  broadcasts = frozenset(_compat.primitives_named("broadcast_in_dim"))
+  constant: set[int] = set()
+  fills = set()
+  for equation in program.equations:
+    if (_compat.sub_jaxprs(equation.eqn) or not all(
+        not isinstance(a, int) or a in constant for a in equation.inputs)):
+      continue
+    constant.update(equation.outputs)
+    if equation.primitive in broadcasts and equation.inputs and not (
+        program.avals[equation.inputs[0]].shape
+        if isinstance(equation.inputs[0], int)
+        else np.shape(equation.inputs[0].value)):
+      fills.update(equation.outputs)
+  return frozenset(fills)
+
+
 def _remade(program, remat, before: Equation, read, renamed, new_id,
-            made_backward) -> list[Equation]:
+            made_backward, fills=frozenset()) -> list[Equation]:
   """The equations that re-run `remat.chain` before `before`: a barrier
   over the chain's inputs and those of `before`'s operands that the
-  backward pass made (`made_backward`), then each chain equation reading
-  copies. Updates `renamed`."""
+  backward pass made (`made_backward`), but `fills` where others tie the
+  same, then each chain equation reading copies. Updates `renamed`."""
   chain = set(remat.chain)
   made = {v for i in chain for v in program.equations[i].outputs}
   leaves = [a for a in dict.fromkeys(
       a for i in remat.chain for a in program.equations[i].inputs
       if isinstance(a, int)) if a not in made]
+  # A fill through the barrier would be a buffer the chain's kernels read
+  # (GPT-2's dropout zeros, f32[8, 1024, 1024], made once and read by 94
+  # remade kernels: 0.9 ms by the schedule model, where per-block remat
+  # computes them in each kernel); read as it is, XLA makes it there.
+  if any(a not in fills for a in leaves):
+    leaves = [a for a in leaves if a not in fills]
   # PRNG keys go through the barrier too: a dropout mask made from a key
   # alone, untied, is one computation with the forward pass's mask, and XLA
   # merges the two and hoists them: GPT-2 medium's 49 masks (392 MiB) were
@@ -319,6 +349,8 @@ def _remade(program, remat, before: Equation, read, renamed, new_id,
   waits_for = [a for a in dict.fromkeys(before.inputs)
                if isinstance(a, int) and a in made_backward
                and a not in tied and _compat.has_plain_layout(program.avals[a])]
+  if any(a not in fills for a in waits_for):
+    waits_for = [a for a in waits_for if a not in fills]
   barrier_inputs = [read(a) for a in tied + waits_for]
   out = []
   if barrier_inputs:

@@ -130,6 +130,8 @@ def analyse_fusion(program: Program, liveness: Liveness,
   # Row reductions (a softmax's, a LayerNorm's) computed inside the kernel
   # that reads them, when only elementwise work does.
   row = np.zeros(n, dtype=bool)
+  folds_transposes = np.zeros(n, dtype=bool)
+  matrix_transpose = np.zeros(n, dtype=bool)
   for index, equation in enumerate(equations):
     primitive = equation.primitive
     aliasing[index] = _rules.rule(primitive).aliases_operands
@@ -140,16 +142,29 @@ def analyse_fusion(program: Program, liveness: Liveness,
     takes_expansions[index] = has_body[index] or rule.takes_fused_expansions
     expensive[index] = rule.computed_once
     row[index] = _rules.reduces_rows(equation.eqn)
+    folds_transposes[index] = rule.folds_transposed_matrices
+    matrix_transpose[index] = _rules.is_matrix_transpose(equation.eqn)
 
   materialized = np.ones(n_values, dtype=bool)
+  written_transposed = []
   for value in range(n_values):
     made_by = producer[value]
     if made_by >= 0 and aliasing[made_by] and value not in forced:
       materialized[value] = False  # the input's buffer, under another name
       continue
-    if made_by < 0 or not (fusible[made_by] or row[made_by]) or value in forced:
+    if made_by < 0 or value in forced:
       continue
     reads = uses[value]
+    if (folds_transposes[made_by] and reads and reads[-1] < n
+        and all(matrix_transpose[r] for r in reads)):
+      # A contraction's matrix read only transposed: XLA makes the
+      # contraction write the transposed layout (the transposes are the
+      # buffers, checked below).
+      materialized[value] = False
+      written_transposed.append(value)
+      continue
+    if not (fusible[made_by] or row[made_by]):
+      continue
     if not reads:
       materialized[value] = False  # dead: XLA removes it
       continue
@@ -160,7 +175,8 @@ def analyse_fusion(program: Program, liveness: Liveness,
         materialized[value] = False
       continue
     if not all(takes_fused[r] or (takes_expansions[r] and is_expansion(
-        program, liveness, value)) for r in reads):
+        program, liveness, value)) or (folds_transposes[r]
+        and matrix_transpose[made_by]) for r in reads):
       continue
     # A costly value read by several equations is computed once: into a
     # buffer, unless every reader runs in one kernel (a softmax's `exp`,
@@ -170,6 +186,23 @@ def analyse_fusion(program: Program, liveness: Liveness,
         fusible[r] or row[r] for r in reads):
       continue
     materialized[value] = False
+
+  def lands_in_buffers(value: int, depth: int = 4) -> bool:
+    """Whether `value` is a buffer or reaches buffers through transposes
+    alone (XLA folds a transpose of a transpose away)."""
+    if materialized[value]:
+      return True
+    reads = uses[value]
+    return bool(depth and reads and reads[-1] < n and all(
+        matrix_transpose[r] and lands_in_buffers(equations[r].outputs[0],
+                                                 depth - 1) for r in reads))
+
+  for value in written_transposed:
+    # Where a transpose is itself fused into other readers, the
+    # contraction's result is the buffer they read.
+    if not all(lands_in_buffers(equations[r].outputs[0])
+               for r in uses[value]):
+      materialized[value] = True
 
   # A value fused into several kernels may be cheaper as a buffer (see
   # `_cheaper_as_buffer`), which depends on the buffers behind it: the

@@ -47,9 +47,11 @@ def test_rules_say_how_xla_treats_each_kind():
   assert _rules.rule(reduce_sum).takes_fused_operands
   assert not _rules.rule(reduce_sum).fuses_into_readers
   assert _rules.rule(transpose).relayout_only
-  # A contraction: a kernel of its own, priced by its FLOPs.
-  assert dataclasses.replace(_rules.rule(dot), flops=None,
-                             splits=None) == _rules.OPAQUE
+  # A contraction: a kernel of its own, priced by its FLOPs, that reads a
+  # transposed matrix without a buffer.
+  assert _rules.rule(dot).folds_transposed_matrices
+  assert dataclasses.replace(_rules.rule(dot), flops=None, splits=None,
+                             folds_transposed_matrices=False) == _rules.OPAQUE
   matmul = jax.make_jaxpr(lambda a, b: a @ b)(
       jax.ShapeDtypeStruct((4, 8), "float32"),
       jax.ShapeDtypeStruct((8, 16), "float32")).jaxpr.eqns[0]
