@@ -52,9 +52,9 @@ def _adam_step(clip: bool):
   return step
 
 
-def _arguments():
+def _arguments(layers: int = LAYERS):
   keys = jax.random.split(jax.random.key(0), 5)
-  shape = (LAYERS, WIDTH, WIDTH)
+  shape = (layers, WIDTH, WIDTH)
   return (0.3 * jax.random.normal(keys[0], shape),
           0.01 * jax.random.normal(keys[1], shape),
           jnp.abs(0.01 * jax.random.normal(keys[2], shape)),
@@ -168,14 +168,18 @@ def test_the_update_runs_in_a_backward_loop_that_streams_its_residuals():
 
 
 def test_the_plan_says_whose_updates_run_in_the_loop():
+  # Sixteen layers: with four (JAX 0.12.0.1), the least memory with the
+  # updates in the loop (17.95 KiB simulated) is no lower than jax.jit's
+  # program (17.63, its transposes folded into the matmuls), and the step
+  # runs as it is.
   step = _adam_step(clip=False)
   offloaded = jlms.offload(step, donate_argnums=(0, 1, 2, 3, 4),
                            budget="min", state_on_host=False)
-  plan = offloaded.plan(*_arguments())
+  plan = offloaded.plan(*_arguments(16))
   assert plan.state_updated_in_loops == 3  # the weights and both moments
   assert plan.state_leaves == 0
   assert "the updates of 3 state leaves run inside the loops" in str(plan)
-  got = offloaded(*jax.tree.map(jnp.copy, _arguments()))
-  for g, w in zip(got, jax.jit(step)(*_arguments())):
+  got = offloaded(*jax.tree.map(jnp.copy, _arguments(16)))
+  for g, w in zip(got, jax.jit(step)(*_arguments(16))):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6,
                                atol=1e-7)
