@@ -268,3 +268,50 @@ def test_recomputations_that_share_a_kernel_are_emitted_once_behind_one_barrier(
   got = jax.jit(lambda *a: _compat.eval_jaxpr(
       rewritten.jaxpr, rewritten.consts, *a))(x, w)[0]
   assert jnp.allclose(got, want)
+
+
+def test_a_recomputation_reads_a_fused_away_fill_as_it_is():
+  # A remade `where(keep, x, 0)` reads a broadcast zero that XLA makes
+  # inside the select's kernel. Through the remaking's barrier it would be
+  # a buffer of its own, written once and read by every kernel that reads
+  # the barrier's outputs (GPT-2 medium's dropout gradients: one
+  # f32[8,1024,1024] of zeros read by 94 remade kernels).
+  from jlms._liveness import analyse
+  from jlms._planner import Offload, SwapIn
+  from jlms._program import flatten
+  from jlms._rewrite import rewrite
+  from jlms._simulator import analyse_fusion
+
+  def fn(x, w):
+    kept = jnp.where(x > 0, x, 0.0)
+    h = x
+    for _ in range(4):
+      h = jnp.tanh(h @ w)
+    return h + kept
+
+  shape = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+  program = flatten(jax.make_jaxpr(fn)(shape, shape))
+  liveness = analyse(program)
+  fusion = analyse_fusion(program, liveness)
+  names = [e.primitive.name for e in program.equations]
+  fill = program.equations[names.index("broadcast_in_dim")].outputs[0]
+  assert not fusion.materialized[fill]
+  chain = (names.index("gt"), names.index("select_n"))
+  value = program.equations[chain[-1]].outputs[0]
+  last = len(program) - 1
+  near = names.index("dot_general") + 1
+  reads = tuple(u for u in liveness.uses[value] if u > near)
+  offloads = (Offload(value, near, (SwapIn(last, reads),), recompute=chain),)
+  rewritten = rewrite(program, offloads, jlms.OffloadConfig(), fusion=fusion)
+  _compat.check_jaxpr(rewritten)
+  made_by = {id(v): e for e in rewritten.jaxpr.eqns for v in e.outvars}
+  barrier_reads = [made_by[id(v)].primitive.name
+                   for e in rewritten.jaxpr.eqns
+                   if e.primitive is jax.lax.optimization_barrier_p
+                   for v in e.invars if id(v) in made_by]
+  assert barrier_reads and "broadcast_in_dim" not in barrier_reads
+  x = jnp.arange(256 * 256, dtype=jnp.float32).reshape(256, 256) / 65536 - 0.5
+  w = jnp.eye(256, dtype=jnp.float32) * 0.5
+  got = jax.jit(lambda *a: _compat.eval_jaxpr(
+      rewritten.jaxpr, rewritten.consts, *a))(x, w)[0]
+  assert jnp.allclose(got, jax.jit(fn)(x, w))
