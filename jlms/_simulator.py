@@ -30,6 +30,7 @@ its swap-out to its last swap-in.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -358,8 +359,9 @@ class MemoryTimeline:
   def peak_bytes(self) -> int:
     return int(self.device_bytes[self.peak_index])
 
-  @property
+  @functools.cached_property
   def host_peak_bytes(self) -> int:
+    # Cached: a fit asks it of one timeline for every copy it weighs.
     return int(self.host_bytes.max()) if len(self.host_bytes) else 0
 
 
