@@ -642,16 +642,19 @@ def test_where_xla_finds_far_less_than_the_simulator_the_state_stays_on_device(
   assert plan.state_leaves == 0 and not any(compiled)
 
 
-@pytest.mark.parametrize("without_pass, expected", [
-    (0.60, "as it is"), (0.90, "without the pass"), (1.50, "planned")])
+@pytest.mark.parametrize("with_pass, without_pass, expected", [
+    (0.60, None, "as it is"), (0.80, 0.80, "without the pass"),
+    (0.80, 0.90, "without the pass"), (0.80, 1.50, "planned")])
 def test_a_step_that_xla_rematerializes_to_fit_runs_without_the_pass(
-    monkeypatch, without_pass, expected):
-  # An XLA whose own rematerialization brings jax.jit's program to 80% of
-  # the budget (over that pass's limit of about three quarters of the
-  # device) and that needs `without_pass` of it without the pass. Where
-  # the pass did nothing, the step is jax.jit's; where it re-ran work and
-  # the program fits without it, the step runs without it; where it does
-  # not, jlms plans, and its plans run without it.
+    monkeypatch, with_pass, without_pass, expected):
+  # An XLA that compiles jax.jit's program to `with_pass` of the budget
+  # with its own rematerialization, and to `without_pass` of it without.
+  # Under about three quarters of the device (the pass's own limit) the
+  # step is jax.jit's. Over it, the pass may have re-run work, whether or
+  # not the peak shows it (the NNX decoder: the same peak, 268.5 ms with
+  # the pass against per-block remat's 150.1): where the program fits
+  # without it, the step runs without it; where it does not, jlms plans,
+  # and its plans run without it.
   budget = 128 << 20  # the MLP: 156 MiB simulated, 112 MiB at least
   compiled = []
 
@@ -659,19 +662,21 @@ def test_a_step_that_xla_rematerializes_to_fit_runs_without_the_pass(
                host_inputs=(), fitted=True, options=None):
     compiled.append(fitted)
     if len(compiled) <= 2:  # jax.jit's program, with and without the pass
-      peak = 0.8 if not fitted else max(without_pass, 0.8)
-      return int(peak * budget)
+      return int((without_pass if fitted else with_pass) * budget)
     return int(0.995 * budget)  # a plan of jlms's: it just fits
 
   monkeypatch.setattr(_search, "xla_peak", stand_in)
   case = models.mlp_case(depth=8, width=1024, batch=2048)
   step = jlms.offload(case.step, budget=budget, target="h100")
   plan = step.plan(*case.abstract_args())
-  assert compiled[:2] == [False, True]
+  if expected == "as it is":
+    assert plan.fits_as_is and compiled == [False], plan
+  else:
+    assert compiled[:2] == [False, True]
   if expected == "planned":
     assert not plan.fits_as_is and len(compiled) > 2, plan
     return
-  assert plan.fits_as_is and len(compiled) == 2, plan
+  assert plan.fits_as_is and len(compiled) <= 2, plan
   lowered = step.lower(*case.abstract_args())
   options = _compat.compiler_options(lowered) or ()
   assert (("xla_disable_hlo_passes", "rematerialization") in options) == (
