@@ -7,16 +7,23 @@
 #   1. the exported frontier programs timed (benchmarks/gpu_steps.py `run`;
 #      export them first, on any machine: `python -m benchmarks.gpu_steps
 #      export`), since that is what only a GPU can give;
-#   2. the `gpu` tests (jlms_tests/test_gpu.py) in one process;
-#   3. the rest of the quick tier with the GPU as JAX's default backend,
-#      on several processes that share the GPU (memory on demand);
-#   4. with SLOW_S set (seconds), the slow tier likewise.
+#   2. with HIDDEN_S set (seconds), issue 37's steps with their host copies
+#      (benchmarks/hidden_copies_gpu.py), each in a process of its own;
+#      with PGLE_S also those named in PGLE_STEPS again under JAX's
+#      profile-guided latency estimation;
+#   3. the `gpu` tests (jlms_tests/test_gpu.py) in one process;
+#   4. unless QUICK_S is 0, the rest of the quick tier with the GPU as JAX's
+#      default backend, on several processes that share the GPU (memory on
+#      demand);
+#   5. with SLOW_S set (seconds), the slow tier likewise.
 #
-# Each part has its own time limit (seconds: STEPS_S, GPU_TESTS_S, QUICK_S,
-# SLOW_S) and its log in $OUT, so that a part that runs long leaves the
-# others' work; a test tier past its limit is interrupted (SIGINT), so that
-# pytest still reports what ran. CASES (names of benchmarks.gpu_steps cases,
-# space-separated) limits part 1 to those cases.
+# Each part has its own time limit (seconds: STEPS_S, HIDDEN_S, PGLE_S,
+# GPU_TESTS_S, QUICK_S, SLOW_S) and its log in $OUT, so that a part that
+# runs long leaves the others' work; a test tier past its limit is
+# interrupted (SIGINT), so that pytest still reports what ran. CASES (names
+# of benchmarks.gpu_steps cases, space-separated) limits part 1 to those
+# cases. Logs, JUnit files and kept programs end in $OUT/logs.tgz, so that
+# what comes back is a handful of files.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -34,7 +41,47 @@ if [ -f .gpu_steps/manifest.json ]; then
     "$python" -m benchmarks.gpu_steps run --out "$OUT" ${CASES:+--case $CASES} 2>&1 | tee "$OUT/gpu_steps.log"
 fi
 
-echo "=== 2. the gpu tests"
+# One of issue 37's steps timed in a process of its own (its allocator's
+# high-water mark is its own), with what env sets, into $OUT/$2.json.
+# Further arguments are `env` assignments (JLMS_HLO_DIR=DIR keeps each
+# compiled program there).
+hidden_step() {
+  local name=$1 json=$2 limit=$3; shift 3
+  timeout "$limit" env XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="${HOST_GB:-96}" \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 "$@" \
+    "$python" -m benchmarks.hidden_copies_gpu --only "$name" \
+    --json "$OUT/$json.json" 2>&1 | tee -a "$OUT/hidden_copies.log"
+}
+
+if [ "${HIDDEN_S:-0}" -gt 0 ]; then
+  echo "=== 2. issue 37's steps with their host copies"
+  i=0
+  for name in "scan MLP" "GPT 4 x 4096" "GPT 6.58B"; do
+    i=$((i + 1))
+    hidden_step "$name" "hidden_$i" "$HIDDEN_S" JLMS_HLO_DIR="$OUT/hlo"
+  done
+  if [ "${PGLE_S:-0}" -gt 0 ]; then
+    # Names with "_" for " "; XLA's dump keeps the recompiled program.
+    for name in ${PGLE_STEPS:-scan_MLP}; do
+      i=$((i + 1))
+      hidden_step "${name//_/ }" "hidden_pgle_$i" "$PGLE_S" \
+        JAX_ENABLE_PGLE=true JAX_PGLE_PROFILING_RUNS=2 \
+        XLA_FLAGS="--xla_dump_to=$OUT/pgle_dump_$i --xla_dump_hlo_as_text"
+      find "$OUT/pgle_dump_$i" -type f ! -name '*after_optimizations.txt' -delete 2>/dev/null
+    done
+  fi
+  "$python" - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+rows = []
+for path in sorted(out.glob("hidden_*.json")):
+  rows += json.loads(path.read_text())
+  path.unlink()
+(out / "hidden_copies_gpu.json").write_text(json.dumps(rows, indent=1))
+PY
+fi
+
+echo "=== 3. the gpu tests"
 timeout -s INT -k 20 "${GPU_TESTS_S:-150}" env JAX_PLATFORMS=cuda,cpu \
   "$python" -m pytest -m gpu -n 0 -p no:cacheprovider -rA --tb=short \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
@@ -51,14 +98,22 @@ on_gpu() {
   tail -60 "$OUT/${name}_tests.log"
 }
 
-echo "=== 3. the quick tier, GPU as the default backend"
-on_gpu quick "not slow and not gpu" "${QUICK_S:-180}"
-tiers=(gpu="$OUT/gpu_tests.xml" quick_not_gpu="$OUT/quick_tests.xml")
+tiers=(gpu="$OUT/gpu_tests.xml")
+if [ "${QUICK_S:-180}" -gt 0 ]; then
+  echo "=== 4. the quick tier, GPU as the default backend"
+  on_gpu quick "not slow and not gpu" "${QUICK_S:-180}"
+  tiers+=(quick_not_gpu="$OUT/quick_tests.xml")
+fi
 if [ "${SLOW_S:-0}" -gt 0 ]; then
-  echo "=== 4. the slow tier, GPU as the default backend"
+  echo "=== 5. the slow tier, GPU as the default backend"
   on_gpu slow "slow and not gpu" "$SLOW_S"
   tiers+=(slow_not_gpu="$OUT/slow_tests.xml")
 fi
 
 "$python" -m benchmarks.junit_json "${tiers[@]}" --json "$OUT/gpu_tests.json" \
   --note "$(head -c 300 "$OUT/versions.log" | tr '\n' ' ')"
+
+# What comes back from a lent machine is a few files: the JSONs stay, the
+# rest goes into one archive.
+(cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v -e '\.json$' -e '^logs.tgz$'))
+ls -la "$OUT"

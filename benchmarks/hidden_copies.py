@@ -53,28 +53,34 @@ GIB = 1 << 30
 DONATED = (0, 1)
 
 
+def subjects(large: bool, target: str = TARGET):
+  """(name, step case, `jlms.offload` keywords, whether its state comes
+  placed on one of `target`'s devices) of each row."""
+  yield ("scan MLP, budget min",
+         models.scan_mlp_case(layers=16, width=2048, batch=4096),
+         dict(target=target, budget="min"), False)
+  yield ("GPT 4 x 4096, 16 GiB",
+         models.zoo_gpt_case(seq=1024, batch_size=8, layers=4, width=4096,
+                             heads=32),
+         dict(donate_argnums=DONATED, target=target, budget=16 * GIB), False)
+  # Plain: the budget is the device's that the arguments are placed on.
+  yield ("GPT 6.58B, plain",
+         models.zoo_gpt_case(seq=1024, batch_size=8, layers=32, width=4096,
+                             heads=32),
+         dict(donate_argnums=DONATED), True)
+  if large:
+    yield ("GPT 8.6B (42 x 4096), plain",
+           frontier_cases.gpt(layers=42, width=4096, heads=32, seq=1024,
+                              batch=8, vocab=32768),
+           dict(donate_argnums=DONATED, host_budget="128GB"), True)
+
+
 def steps(large: bool):
   """(name, offloaded step, abstract arguments) of each row."""
-  mlp = models.scan_mlp_case(layers=16, width=2048, batch=4096)
-  yield ("scan MLP, budget min",
-         jlms.offload(mlp.step, target=TARGET, budget="min"),
-         mlp.abstract_args())
-  small = models.zoo_gpt_case(seq=1024, batch_size=8, layers=4, width=4096,
-                              heads=32)
-  yield ("GPT 4 x 4096, 16 GiB",
-         jlms.offload(small.step, donate_argnums=DONATED, target=TARGET,
-                      budget=16 * GIB), small.abstract_args())
-  gpt = models.zoo_gpt_case(seq=1024, batch_size=8, layers=32, width=4096,
-                            heads=32)
-  yield ("GPT 6.58B, plain", jlms.offload(gpt.step, donate_argnums=DONATED),
-         on_one_device(gpt.abstract_args(), TARGET))
-  if large:
-    deep = frontier_cases.gpt(layers=42, width=4096, heads=32, seq=1024,
-                              batch=8, vocab=32768)
-    yield ("GPT 8.6B (42 x 4096), plain",
-           jlms.offload(deep.step, donate_argnums=DONATED,
-                        host_budget="128GB"),
-           on_one_device(deep.abstract_args(), TARGET))
+  for name, case, keywords, placed in subjects(large):
+    args = case.abstract_args()
+    yield (name, jlms.offload(case.step, **keywords),
+           on_one_device(args, TARGET) if placed else args)
 
 
 def measure(name, step, args, yardstick) -> dict:
