@@ -83,6 +83,14 @@ class GpuTarget:
   #: stays under its memory limit; past it, it keeps each copy next to its
   #: wait. `jlms._schedule.scheduler_overlaps` says which, per program.
   streams_hide: bool = True
+  #: Whether XLA's scheduler orders the program by jlms's latency profile
+  #: of it (`jlms._latency_profile`): then a fused update loop's fetch for
+  #: its first iteration runs under the kernels before the loop, and its
+  #: last write-back beside the kernels after it, where without a profile
+  #: each is started a few kernels before its wait (the 6.58B GPT with its
+  #: moments on host, schedule model: 16.3 ms of copies exposed without,
+  #: 3.7 with). Set per program, as `streams_hide` is.
+  copies_profiled: bool = False
   #: fraction of the roofline each kind of kernel reaches: the least
   #: root-mean-square log error against the H100's measured steps on the
   #: grid of `benchmarks.time_model_error` (see the module's docstring).

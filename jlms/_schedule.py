@@ -159,6 +159,10 @@ def predict_step_time(program: Program, liveness: Liveness,
   # the seconds each iteration waits after its kernels.
   beside = collections.defaultdict(lambda: [0.0, 0.0])  # d2h, h2d
   after = collections.defaultdict(float)
+  # Under a latency profile, a loop's first fetch and last write-back
+  # (seconds each) hide under the kernels before and after the loop.
+  first_fetch = collections.defaultdict(float)
+  last_write = collections.defaultdict(float)
   d2h = h2d = 0
   for residual in residuals:
     size = aval_nbytes(program.avals[residual.value])
@@ -185,9 +189,13 @@ def predict_step_time(program: Program, liveness: Liveness,
       beside[copy.index][0] += target.transfer_seconds(copy.to_host_beside)
       beside[copy.index][1] += target.transfer_seconds(
           copy.to_device_beside)
-      after[copy.index] += (
-          target.transfer_seconds(copy.to_device - copy.to_device_beside)
-          + target.transfer_seconds(copy.to_host - copy.to_host_beside))
+      fetch = target.transfer_seconds(copy.to_device - copy.to_device_beside)
+      write = target.transfer_seconds(copy.to_host - copy.to_host_beside)
+      if target.copies_profiled:
+        first_fetch[copy.index] += fetch
+        last_write[copy.index] += write
+      else:
+        after[copy.index] += fetch + write
     elif copy.serial_bytes is not None:
       after[copy.index] += target.transfer_seconds(copy.serial_bytes)
     else:
@@ -196,18 +204,25 @@ def predict_step_time(program: Program, liveness: Liveness,
     d2h += copy.to_host
     h2d += copy.to_device
 
+  kernels_before = np.concatenate([[0.0], np.cumsum(kernel_s)])
+
   def streamed_wait(index: int) -> float:
     """Seconds the loop at `index` runs past its own kernels for the
     slices it moves."""
-    if index not in beside and index not in after:
+    if index not in streamed:
       return 0.0
     own = float(kernel_s[index])
     d2h_beside, h2d_beside = beside.get(index, (0.0, 0.0))
+    waited = after.get(index, 0.0)
+    if index in first_fetch or index in last_write:
+      waited += max(0.0, first_fetch[index] - kernels_before[index])
+      waited += max(0.0, last_write[index] - (kernels_before[-1]
+                                              - kernels_before[index + 1]))
     if not target.streams_hide:
-      return d2h_beside + h2d_beside + after.get(index, 0.0)
-    return max(own, d2h_beside, h2d_beside) - own + after.get(index, 0.0)
+      return d2h_beside + h2d_beside + waited
+    return max(own, d2h_beside, h2d_beside) - own + waited
 
-  streamed = set(beside) | set(after)
+  streamed = set(beside) | set(after) | set(first_fetch) | set(last_write)
 
   if not target.hides_copies and not walk:
     # Compute waits for each copy as it is made: every copy is exposed

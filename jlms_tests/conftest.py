@@ -42,6 +42,7 @@ if (os.environ["JAX_PLATFORMS"] == "cpu"
                              + _older_cpu_emitters_flag()).strip()
 
 import functools
+import types
 
 import pytest
 
@@ -189,6 +190,17 @@ def backend_compiles() -> list[float]:
       _backend_compiles.append(seconds)
   jax.monitoring.register_event_duration_secs_listener(listener)
   return _backend_compiles
+
+
+def compiled_as(peak_of):
+  """A stand-in for `jlms._search.xla_compiled` (XLA's compile of a
+  program for the search) from a stand-in for its peak, `peak_of`, called
+  with the same arguments: XLA's memory with that peak and no program
+  text, so that no latency profile is written of it."""
+  def stand_in(*args, **kwargs):
+    return types.SimpleNamespace(peak_bytes=peak_of(*args, **kwargs),
+                                 hlo_text="")
+  return stand_in
 
 
 def max_relative_error(actual, expected) -> float:

@@ -19,7 +19,8 @@ from jlms._liveness import analyse
 from jlms._plan import format_bytes
 from jlms._program import flatten
 from jlms._simulator import simulate
-from jlms_tests.conftest import F32_TOLERANCE, PLATFORM, max_relative_error
+from jlms_tests.conftest import (F32_TOLERANCE, PLATFORM, compiled_as,
+                                 max_relative_error)
 
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -625,7 +626,7 @@ def test_where_xla_finds_far_less_than_the_simulator_the_state_stays_on_device(
     compiled.append(host_inputs)
     return simulate(program, analyse(program)).peak_bytes // 2
 
-  monkeypatch.setattr(_search, "xla_peak", half_of_the_simulators)
+  monkeypatch.setattr(_search, "xla_compiled", compiled_as(half_of_the_simulators))
   case = models.gpt_case(layers=2, width=128, heads=4, seq=256, batch=8,
                          vocab=512, scan_layers=True)
   args = case.abstract_args()
@@ -665,7 +666,7 @@ def test_a_step_that_xla_rematerializes_to_fit_runs_without_the_pass(
       return int((without_pass if fitted else with_pass) * budget)
     return int(0.995 * budget)  # a plan of jlms's: it just fits
 
-  monkeypatch.setattr(_search, "xla_peak", stand_in)
+  monkeypatch.setattr(_search, "xla_compiled", compiled_as(stand_in))
   case = models.mlp_case(depth=8, width=1024, batch=2048)
   step = jlms.offload(case.step, budget=budget, target="h100")
   plan = step.plan(*case.abstract_args())
@@ -706,7 +707,7 @@ def test_a_plan_xla_puts_just_over_the_budget_is_fitted_tighter_first(
     plans.append(rewritten)
     return int((over if len(plans) == 1 else 0.9) * budget)
 
-  monkeypatch.setattr(_search, "xla_peak", stand_in)
+  monkeypatch.setattr(_search, "xla_compiled", compiled_as(stand_in))
   with caplog.at_level(logging.INFO, logger="jlms"):
     plan = jlms.offload(case.step, budget=budget, target="h100").plan(*args)
   retries = [r.getMessage() for r in caplog.records

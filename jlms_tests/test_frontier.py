@@ -53,9 +53,9 @@ def test_resnet_halfway_fits_in_about_jits_time(resnet, monkeypatch):
   case, args, jit, remat, jit_ms, remat_ms = resnet
   budget = (jit + remat) // 2
   compiles = []
-  xla_peak = _search.xla_peak  # each XLA compile of the budget search
-  monkeypatch.setattr(_search, "xla_peak",
-                      lambda *a: compiles.append(a) or xla_peak(*a))
+  xla_compiled = _search.xla_compiled  # each XLA compile of the search
+  monkeypatch.setattr(_search, "xla_compiled",
+                      lambda *a: compiles.append(a) or xla_compiled(*a))
   ms, plan = _predicted_ms(case.step, args, budget=budget)
   assert plan.xla_peak_bytes <= budget
   assert 2 <= len(compiles) <= 3  # the step as it is, the plan, a re-fit

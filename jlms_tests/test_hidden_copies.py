@@ -121,6 +121,14 @@ def test_a_fused_update_loops_copies_are_priced_beside_its_kernels():
   crowded = dataclasses.replace(H100, streams_hide=False)
   assert exposed(2, crowded) == pytest.approx(
       2 * H100.transfer_seconds(stacks + edges))
+  # Under a latency profile of its copies, the slice fetched before the
+  # loop hides under the kernels before it, the one written back after it
+  # under those after it, each up to their seconds.
+  profiled = dataclasses.replace(H100, copies_profiled=True)
+  before, after = float(seconds[:loop].sum()), float(seconds[loop + 1:].sum())
+  assert exposed(2, profiled) == pytest.approx(
+      max(0.0, edge - before) + max(0.0, edge - after))
+  assert exposed(2, profiled) < exposed(2)
 
 
 def test_xlas_scheduler_overlaps_only_under_its_memory_limit():

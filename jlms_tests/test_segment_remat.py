@@ -14,7 +14,7 @@ from jlms._liveness import analyse, live_bytes_by_equation
 from jlms._program import flatten
 from jlms._rewrite import rewrite
 from jlms._simulator import simulate
-from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
+from jlms_tests.conftest import F32_TOLERANCE, compiled_as, max_relative_error
 
 LAYERS, BATCH, SEQ, WIDTH, HIDDEN = 6, 4, 64, 32, 256
 
@@ -268,7 +268,7 @@ def test_a_refused_plan_is_followed_by_the_next_way_then_a_tighter_fit(
     compiled.append((fitted, segments, peak))
     return peak
 
-  monkeypatch.setattr(_search, "xla_peak", stand_in)
+  monkeypatch.setattr(_search, "xla_compiled", compiled_as(stand_in))
   # The order under test, not the time model's ranking of this small step
   # (its segments predicted 10% slower on one JAX, 13% on another): every
   # way counts as near enough to compile.
@@ -300,7 +300,7 @@ def test_the_least_memory_is_the_plan_xla_puts_lowest(monkeypatch):
       compiled.append(peak)
     return peak
 
-  monkeypatch.setattr(_search, "xla_peak", stand_in)
+  monkeypatch.setattr(_search, "xla_compiled", compiled_as(stand_in))
   plan = jlms.offload(step, budget="min", target="h100").plan(*args)
   assert len(compiled) >= 2
   assert plan.xla_peak_bytes == min(compiled)
@@ -323,7 +323,7 @@ def test_each_remade_segments_weight_gradients_run_before_the_next_remaking(
       return simulate(program, analyse(program)).peak_bytes
     return 2 * budget
 
-  monkeypatch.setattr(_search, "xla_peak", stand_in)
+  monkeypatch.setattr(_search, "xla_compiled", compiled_as(stand_in))
   offloaded = jlms.offload(step, budget=budget, target="h100")
   program = flatten(offloaded.jaxpr(*args))
   made_by = {out: e for e in program.equations for out in e.outputs}

@@ -1,0 +1,432 @@
+"""What jlms's time model knows, told to XLA's GPU scheduler: a latency
+profile of a compiled program.
+
+XLA's latency-hiding scheduler decides how far ahead of its wait a host
+copy starts from two estimates: what each kernel costs, and how long each
+asynchronous pair (a copy's start and done) takes. Without a profile its
+GPU estimator gives every loop fusion or library call the same cost and
+every asynchronous pair the same latency, about five such kernels,
+whatever the bytes: a 256 MiB slice of a moment fetched over PCIe (4.9 ms)
+is started five kernels (a few tenths of a millisecond) ahead of its read.
+Its profile-guided estimator takes both from a profile instead
+(`ProfiledInstructionsProto`: `costs {name, cost_us}` and `latencies
+{source, target, latency_us}`, by the names the scheduler sees), given in
+the compiler option `PROFILE_OPTION`. A profile of latencies alone changes
+nothing (the 4-layer GPT of width 4096 at 16 GiB, JAX 0.10.2: the same
+schedule with every copy's latency ten or a hundred times its link time):
+the costs of the kernels are what a latency is weighed against.
+
+`latency_profile` writes that profile for a program XLA compiled once
+already, from the program's own instructions: each kernel priced as
+`jlms._cost` prices one (its matmul or convolution FLOPs at the target's
+tensor-core peak, or the bytes it reads and writes at HBM bandwidth), each
+host copy at its bytes over the host link, each loop at its trip count
+times its body. Kernels are priced at their roofline, the link as
+measured: the scheduler hides a copy under the kernels it thinks long
+enough, so kernels priced slower than they run start copies too late (the
+6.58B GPT with its moments on host, H100, schedule model: 16.3 ms of
+copies exposed without a profile; 47.2 ms with kernels at jlms's
+calibrated 60-70% of their roofline; 3.7 at their roofline).
+
+Guarantees: a pure function of the compiled program's text and a
+`GpuTarget`; it names only instructions of the computations the scheduler
+orders (not those inside fusions); no profile (None) for a program that
+copies nothing to or from host memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import pathlib
+import re
+import tempfile
+import types
+
+from jlms._cost import GpuTarget
+
+#: XLA's compiler option naming the profile's file.
+PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+    "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5,
+    "token": 0}
+#: XLA's element types as `GpuTarget.contraction_peak` names them.
+_PEAK_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16",
+                "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2",
+                "s8": "int8"}
+#: The memory space of pinned host buffers in XLA's GPU programs.
+_HOST_SPACE = "S(5)"
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\](\{[^}]*\})?")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_CALLED = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|"
+                     r"false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+#: Instructions that run no kernel of their own.
+_FREE = frozenset({
+    "parameter", "get-tuple-element", "tuple", "bitcast", "constant",
+    "after-all", "partition-id", "replica-id", "opt-barrier",
+    "add-dependency", "domain", "call", "conditional"})
+_LIBRARY_CONTRACTIONS = ("gemm", "matmul", "conv")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Array:
+  dtype: str
+  dims: tuple
+  host: bool
+
+  @property
+  def nbytes(self) -> float:
+    return math.prod(self.dims) * _DTYPE_BYTES.get(self.dtype, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instruction:
+  name: str
+  scheduling_name: str
+  arrays: tuple  # its shape's arrays (a tuple shape's, flattened)
+  opcode: str
+  operands: tuple  # names
+  attributes: str
+  #: What stands between its opcode's brackets (a parameter's number).
+  operand_text: str = ""
+
+  @property
+  def parameter_number(self) -> int:
+    found = re.search(r"\d+", self.operand_text)
+    return int(found.group(0)) if found else 0
+
+  def attribute(self, key: str) -> str | None:
+    found = re.search(rf"\b{key}=\"?([^\",\s]+)", self.attributes)
+    return found.group(1) if found else None
+
+  @property
+  def called(self) -> list[str]:
+    return _CALLED.findall(self.attributes)
+
+  @property
+  def nbytes(self) -> float:
+    return sum(a.nbytes for a in self.arrays)
+
+
+def _arrays(shape_text: str) -> tuple:
+  return tuple(
+      _Array(dtype, tuple(int(d) for d in dims.split(",") if d),
+             _HOST_SPACE in (layout or ""))
+      for dtype, dims, layout in _ARRAY.findall(shape_text)
+      if dtype in _DTYPE_BYTES)
+
+
+def _closing(text: str, start: int) -> int:
+  """The index just past the bracket that closes the one at `start`."""
+  depth = 0
+  for index in range(start, len(text)):
+    if text[index] in "({[":
+      depth += 1
+    elif text[index] in ")}]":
+      depth -= 1
+      if depth == 0:
+        return index + 1
+  return len(text)
+
+
+def _parse_instruction(line: str) -> _Instruction | None:
+  match = _INSTRUCTION.match(line)
+  if match is None:
+    return None
+  name, rest = match.groups()
+  end = _closing(rest, 0) if rest.startswith("(") else rest.find(" ")
+  if end < 0:
+    return None
+  shape_text, rest = rest[:end], rest[end:].lstrip()
+  opcode_end = rest.find("(")
+  if opcode_end <= 0:
+    return None
+  operands_end = _closing(rest, opcode_end)
+  attributes = rest[operands_end:]
+  scheduled = re.search(r'scheduling_name="([^"]+)"', attributes)
+  return _Instruction(
+      name, scheduled.group(1) if scheduled else name, _arrays(shape_text),
+      rest[:opcode_end].strip(),
+      tuple(re.findall(r"%([\w.\-]+)", rest[opcode_end:operands_end])),
+      attributes, rest[opcode_end + 1:operands_end - 1])
+
+
+def parse_computations(hlo_text: str) -> tuple[dict, str | None]:
+  """({computation name: its instructions in order}, the entry's name) of
+  an HLO module's text."""
+  computations: dict[str, list] = {}
+  entry = current = None
+  for line in hlo_text.splitlines():
+    if line and not line[0].isspace():
+      header = _HEADER.match(line)
+      current = header.group(1) if header else None
+      if current is not None:
+        computations[current] = []
+        if line.startswith("ENTRY"):
+          entry = current
+      continue
+    if current is not None:
+      instruction = _parse_instruction(line)
+      if instruction is not None:
+        computations[current].append(instruction)
+  return computations, entry
+
+
+def _scheduled(computations: dict, entry: str) -> list[str]:
+  """The computations the scheduler orders: the entry and what its
+  loops, calls and branches run, not what fusions and reductions apply."""
+  order, seen, stack = [], set(), [entry]
+  while stack:
+    name = stack.pop()
+    if name in seen or name not in computations:
+      continue
+    seen.add(name)
+    order.append(name)
+    for instruction in computations[name]:
+      if instruction.opcode in ("while", "call", "conditional"):
+        stack += instruction.called
+        for branches in _BRANCHES.findall(instruction.attributes):
+          stack += re.findall(r"%?([\w.\-]+)", branches)
+  return order
+
+
+def _contraction_flops(instruction: _Instruction, operands: list) -> float:
+  """FLOPs of a dot or convolution (or a library call of one), given its
+  operands' arrays."""
+  if not instruction.arrays or len(operands) < 2:
+    return 0.0
+  result, lhs, rhs = instruction.arrays[0], operands[0], operands[1]
+  out = math.prod(result.dims)
+  labels = instruction.attribute("dim_labels")
+  if labels and "_" in labels and "->" in labels:  # a convolution
+    kernel = labels.split("_", 1)[1].split("->")[0]
+    features = (rhs.dims[kernel.index("o")]
+                if "o" in kernel and len(kernel) == len(rhs.dims) else 1)
+    return 2.0 * out * math.prod(rhs.dims) / max(features, 1)
+  contracting = re.search(
+      r"lhs_contracting_dim(?:ension)?s[^\d\]}]*([\d,\s\"]*)",
+      instruction.attributes)
+  size = 1
+  for index in re.findall(r"\d+", contracting.group(1) if contracting
+                          else ""):
+    if int(index) < len(lhs.dims):
+      size *= lhs.dims[int(index)]
+  return 2.0 * out * size
+
+
+class _Pricer:
+  """Seconds of the kernels of one compiled module on `target`."""
+
+  def __init__(self, computations: dict, target: GpuTarget):
+    self.computations = computations
+    self.target = target
+    self._fused: dict[str, tuple] = {}
+
+  def _fused_work(self, name: str) -> tuple:
+    """(FLOPs, contraction's dtype, {parameter number: bytes it reads or
+    None for all of it}, whether it updates a parameter in place) of the
+    fused computation `name`."""
+    if name in self._fused:
+      return self._fused[name]
+    body = self.computations.get(name, ())
+    by_name = {i.name: i for i in body}
+    flops, dtype = 0.0, None
+    users: dict[str, list] = {}
+    for instruction in body:
+      for position, operand in enumerate(instruction.operands):
+        users.setdefault(operand, []).append((instruction, position))
+      if instruction.opcode in ("dot", "convolution"):
+        operands = [by_name[o].arrays[0] for o in instruction.operands[:2]
+                    if o in by_name and by_name[o].arrays]
+        flops += _contraction_flops(instruction, operands)
+        dtype = dtype or (operands[0].dtype if operands else None)
+      elif instruction.opcode == "fusion" and instruction.called:
+        inner_flops, inner_dtype, _, _ = self._fused_work(
+            instruction.called[0])
+        flops += inner_flops
+        dtype = dtype or inner_dtype
+    reads: dict[int, float | None] = {}
+    in_place = False
+    for instruction in body:
+      if instruction.opcode != "parameter":
+        continue
+      index = instruction.parameter_number
+      readers = users.get(instruction.name, [])
+      # A dynamic slice reads its slice, an update in place writes its
+      # update: the rest of a stacked operand is not touched.
+      if readers and all(r.opcode == "dynamic-slice" for r, _ in readers):
+        reads[index] = sum(r.nbytes for r, _ in readers)
+      elif readers and all(r.opcode == "dynamic-update-slice" and p == 0
+                           for r, p in readers):
+        update = by_name.get(readers[0][0].operands[1])
+        reads[index] = update.nbytes if update is not None else 0.0
+        in_place = True
+      else:
+        reads[index] = None
+    self._fused[name] = (flops, dtype, reads, in_place)
+    return self._fused[name]
+
+  def seconds(self, instruction: _Instruction, arrays: dict) -> float | None:
+    """What the kernel of `instruction` costs (`arrays`: the first array
+    of each instruction of its computation, by name); None where it runs
+    none, or where the scheduler prices it from its parts (a loop, an
+    asynchronous pair)."""
+    opcode = instruction.opcode
+    if (opcode in _FREE or opcode == "while" or opcode.endswith("-start")
+        or opcode.endswith("-done")):
+      return None
+    operands = [arrays.get(o) for o in instruction.operands]
+    read = [a.nbytes if a is not None else 0.0 for a in operands]
+    written = instruction.nbytes
+    flops, dtype = 0.0, None
+    if opcode == "fusion" and instruction.called:
+      flops, dtype, reads, in_place = self._fused_work(instruction.called[0])
+      read = [reads.get(i) if reads.get(i) is not None else full
+              for i, full in enumerate(read)]
+      if in_place:
+        written = 0.0  # its update, counted as read
+    elif opcode == "custom-call" and any(
+        kind in (instruction.attribute("custom_call_target") or "")
+        for kind in _LIBRARY_CONTRACTIONS):
+      present = [a for a in operands if a is not None]
+      flops = _contraction_flops(instruction, present)
+      dtype = present[0].dtype if present else None
+      written = instruction.arrays[0].nbytes if instruction.arrays else 0.0
+    target = self.target
+    seconds = (sum(read) + written) / (target.hbm_bytes_per_s
+                                       * target.efficiency["memory"])
+    if any(a is not None and a.host for a in operands) or any(
+        a.host for a in instruction.arrays):
+      # A kernel that reads or writes pinned host memory runs at the
+      # link's speed: what crosses it is its slice, one way.
+      seconds = max(seconds, target.transfer_seconds(max(sum(read),
+                                                         written)))
+    if flops:
+      kind = "conv" if instruction.attribute("dim_labels") else "matmul"
+      peak = target.contraction_peak(_PEAK_DTYPES.get(dtype, "float32"),
+                                     False)
+      seconds = max(seconds, flops / (peak * target.efficiency[kind]))
+    return seconds
+
+  def host_copy_seconds(self, start: _Instruction, arrays: dict
+                        ) -> float | None:
+    """The link time of the asynchronous copy `start` begins, where it
+    moves bytes to or from host memory; None otherwise."""
+    operands = [arrays.get(o) for o in start.operands]
+    if start.opcode == "copy-start":
+      source = operands[0] if operands else None
+      if source is None:
+        return None
+      moves_host = source.host or any(a.host for a in start.arrays)
+      return (self.target.transfer_seconds(source.nbytes) if moves_host
+              else None)
+    if not start.called:
+      return None
+    # An asynchronous slice of a host buffer (a scan's residual, a
+    # moment's layer): what it moves is its result, or its update.
+    body = self.computations.get(start.called[0], ())
+    touches_host = any(a is not None and a.host for a in operands) or any(
+        a.host for a in start.arrays)
+    if not touches_host or not body:
+      return None
+    root = body[-1]
+    if root.opcode == "fusion" and root.called:
+      inner = self.computations.get(root.called[0], ())
+      root = inner[-1] if inner else root
+    if root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
+      by_name = {i.name: i for i in body}
+      update = by_name.get(root.operands[1])
+      moved = update.nbytes if update is not None else root.nbytes
+    else:
+      moved = root.arrays[0].nbytes if root.arrays else 0.0
+    return self.target.transfer_seconds(moved)
+
+
+def _trip_count(instruction: _Instruction) -> int | None:
+  found = re.search(r'known_trip_count[^\d]*"?n"?\s*:\s*"?(\d+)',
+                    instruction.attributes)
+  return int(found.group(1)) if found else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  """The seconds of each kernel and the link seconds of each host copy
+  (start's name, done's name) of a compiled program, by the names its
+  scheduler knows them by."""
+  costs: dict
+  latencies: dict
+
+  def text(self) -> str:
+    """As XLA reads it: `ProfiledInstructionsProto` in text format."""
+    lines = [f'costs {{ name: "{name}" cost_us: {seconds * 1e6:.3f} }}'
+             for name, seconds in self.costs.items()]
+    lines += [f'latencies {{ source: "{start}" target: "{done}" '
+              f'latency_us: {seconds * 1e6:.3f} }}'
+              for (start, done), seconds in self.latencies.items()]
+    return "\n".join(lines) + "\n"
+
+
+def profile_of(hlo_text: str, target: GpuTarget) -> Profile:
+  """The `Profile` of the compiled program `hlo_text` on `target`: every
+  kernel of the computations its scheduler orders at its roofline (a loop
+  at its trip count times its body, where XLA knows the count), and every
+  asynchronous copy to or from host memory at its link time."""
+  computations, entry = parse_computations(hlo_text)
+  fastest = dataclasses.replace(target, efficiency=types.MappingProxyType(
+      dict.fromkeys(target.efficiency, 1.0)))
+  pricer = _Pricer(computations, fastest)
+  costs, latencies = {}, {}
+  totals: dict[str, float] = {}
+  # Callees first: a loop is priced from its body.
+  for name in reversed(_scheduled(computations, entry) if entry else []):
+    instructions = computations[name]
+    arrays = {i.name: i.arrays[0] for i in instructions if i.arrays}
+    starts = {}
+    total = 0.0
+    for instruction in instructions:
+      seconds = pricer.seconds(instruction, arrays)
+      if instruction.opcode == "while":
+        trips = _trip_count(instruction)
+        body = re.search(r"\bbody=%?([\w.\-]+)", instruction.attributes)
+        if trips is not None and body is not None and body.group(1) in totals:
+          seconds = trips * totals[body.group(1)]
+      elif instruction.opcode.endswith("-start"):
+        link = pricer.host_copy_seconds(instruction, arrays)
+        if link is not None:
+          starts[instruction.name] = (instruction.scheduling_name, link)
+      elif (instruction.opcode.endswith("-done") and instruction.operands
+            and instruction.operands[0] in starts):
+        start_name, link = starts[instruction.operands[0]]
+        latencies[(start_name, instruction.scheduling_name)] = link
+      if seconds is not None:
+        costs[instruction.scheduling_name] = seconds
+        total += seconds
+    totals[name] = total
+  return Profile(costs, latencies)
+
+
+def latency_profile(hlo_text: str, target: GpuTarget) -> str | None:
+  """The profile of `profile_of` as XLA reads it, or None where the
+  program copies nothing over the host link (there is nothing to hide)."""
+  profile = profile_of(hlo_text, target)
+  return profile.text() if profile.latencies else None
+
+
+def write_profile(text: str) -> str:
+  """The path of a file holding `text`, named by its content in a folder
+  of the machine's temporary directory (the compile that reads it, and
+  any later one of the same plan in this process, find it there)."""
+  folder = pathlib.Path(tempfile.gettempdir()) / "jlms-latency-profiles"
+  folder.mkdir(parents=True, exist_ok=True)
+  path = folder / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.pbtxt"
+  if not path.is_file():
+    staging = path.with_suffix(".partial")
+    staging.write_text(text)
+    staging.replace(path)  # whole, or not there
+  return str(path)

@@ -1,0 +1,136 @@
+"""A latency profile of a compiled program for XLA's GPU scheduler
+(`jlms._latency_profile`): what each kernel and host copy costs, by the
+names the scheduler knows them by, and plans that compile with it."""
+
+import pathlib
+import re
+
+import pytest
+
+import jlms
+from benchmarks import models
+from jlms import _compat
+from jlms._cost import time_target
+from jlms._latency_profile import (PROFILE_OPTION, latency_profile,
+                                   parse_computations, profile_of)
+
+H100 = time_target("h100")
+MIB = 1 << 20
+
+# A module as XLA prints a compiled one: a matmul fused with its library
+# call, a 4 MiB copy of a pinned host buffer beside it, and a loop of six
+# iterations of an elementwise kernel.
+_MODULE = """HloModule jit_step, is_scheduled=true
+
+%fused_dot (param_0: f32[4096,4096], param_1: f32[4096,4096]) -> f32[4096,4096] {
+  %param_0 = f32[4096,4096]{1,0} parameter(0), metadata={scheduling_name="param_0"}
+  %param_1 = f32[4096,4096]{1,0} parameter(1), metadata={scheduling_name="param_1"}
+  ROOT %dot.1 = f32[4096,4096]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={scheduling_name="dot.1"}
+}
+
+%fused_add (param_0.1: f32[1024,1024]) -> f32[1024,1024] {
+  %param_0.1 = f32[1024,1024]{1,0} parameter(0)
+  ROOT %add.2 = f32[1024,1024]{1,0} add(%param_0.1, %param_0.1)
+}
+
+%body (carry: (s32[], f32[1024,1024])) -> (s32[], f32[1024,1024]) {
+  %carry = (s32[], f32[1024,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%carry), index=0
+  %v = f32[1024,1024]{1,0} get-tuple-element(%carry), index=1
+  %loop_add_fusion = f32[1024,1024]{1,0} fusion(%v), kind=kLoop, calls=%fused_add, metadata={op_name="jit(step)/add" scheduling_name="loop_add_fusion"}
+  ROOT %tuple.3 = (s32[], f32[1024,1024]{1,0}) tuple(%i, %loop_add_fusion)
+}
+
+%cond (carry.1: (s32[], f32[1024,1024])) -> pred[] {
+  %carry.1 = (s32[], f32[1024,1024]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%carry.1), index=0
+  %six = s32[] constant(6)
+  ROOT %lt = pred[] compare(%i.1, %six), direction=LT
+}
+
+ENTRY %main.9 (x: f32[4096,4096], w: f32[4096,4096], h: f32[1024,1024]) -> (f32[4096,4096], f32[1024,1024]) {
+  %x = f32[4096,4096]{1,0} parameter(0), metadata={scheduling_name="x"}
+  %w = f32[4096,4096]{1,0} parameter(1), metadata={scheduling_name="w"}
+  %h = f32[1024,1024]{1,0:S(5)} parameter(2), metadata={scheduling_name="h"}
+  %copy-start.4 = (f32[1024,1024]{1,0}, f32[1024,1024]{1,0:S(5)}, u32[]) copy-start(%h), metadata={scheduling_name="copy-start"}
+  %gemm_fusion = f32[4096,4096]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot, metadata={op_name="jit(step)/dot_general" scheduling_name="gemm_fusion.3"}
+  %copy-done.4 = f32[1024,1024]{1,0} copy-done(%copy-start.4), metadata={scheduling_name="copy-done"}
+  %zero = s32[] constant(0)
+  %tuple.5 = (s32[], f32[1024,1024]{1,0}) tuple(%zero, %copy-done.4)
+  %while.6 = (s32[], f32[1024,1024]{1,0}) while(%tuple.5), condition=%cond, body=%body, metadata={scheduling_name="while.6"}, backend_config={"known_trip_count":{"n":"6"}}
+  %out = f32[1024,1024]{1,0} get-tuple-element(%while.6), index=1
+  ROOT %tuple.7 = (f32[4096,4096]{1,0}, f32[1024,1024]{1,0}) tuple(%gemm_fusion, %out)
+}
+"""
+
+
+def test_kernels_are_priced_at_their_roofline_and_host_copies_at_the_link():
+  profile = profile_of(_MODULE, H100)
+  # The matmul: 2 * 4096^3 FLOPs at the TF32 peak, above its bytes' time.
+  assert profile.costs["gemm_fusion.3"] == pytest.approx(
+      2 * 4096**3 / H100.contraction_peak("float32", False))
+  # The loop's kernel reads and writes 4 MiB; the loop runs it six times.
+  add = profile.costs["loop_add_fusion"]
+  assert add == pytest.approx(8 * MIB / H100.hbm_bytes_per_s)
+  assert profile.costs["while.6"] == pytest.approx(6 * add)
+  # 4 MiB over the link, from its start to its done.
+  assert profile.latencies == {
+      ("copy-start", "copy-done"): pytest.approx(4 * MIB / 52e9)}
+  # Named as the scheduler names them; nothing inside a fusion, nothing
+  # that runs no kernel.
+  assert not {"dot.1", "add.2", "x", "h", "tuple.5"} & set(
+      profile.costs)
+
+
+def test_the_profile_is_text_that_xla_reads_and_none_without_host_copies():
+  text = latency_profile(_MODULE, H100)
+  assert re.search(r'^costs \{ name: "gemm_fusion.3" cost_us: [\d.]+ \}$',
+                   text, re.M)
+  assert re.search(r'^latencies \{ source: "copy-start" target: '
+                   r'"copy-done" latency_us: 80\.\d+ \}$', text, re.M)
+  on_device = _MODULE.replace("{1,0:S(5)}", "{1,0}")
+  assert latency_profile(on_device, H100) is None
+
+
+def test_computations_are_read_with_their_entry():
+  computations, entry = parse_computations(_MODULE)
+  assert entry == "main.9"
+  assert set(computations) == {"fused_dot", "fused_add", "body", "cond",
+                               "main.9"}
+  assert [i.opcode for i in computations["body"]] == [
+      "parameter", "get-tuple-element", "get-tuple-element", "fusion",
+      "tuple"]
+
+
+def _options(step, args) -> dict:
+  return dict(_compat.compiler_options(step.lower(*args)) or ())
+
+
+def test_a_plan_that_streams_through_host_compiles_with_a_profile_of_its_copies():
+  """The least memory of a scanned MLP streams its layers' inputs through
+  host: the program runs with a latency profile of XLA's first compile of
+  it, whose copies are the compiled program's own, and XLA's peak with it
+  is no higher than without."""
+  case = models.scan_mlp_case(layers=4, width=256, batch=1024)
+  args = case.abstract_args()
+  step = jlms.offload(case.step, budget="min", target="h100")
+  plan = step.plan(*args)
+  assert plan.offloaded_bytes > 0
+  options = _options(step, args)
+  path = pathlib.Path(options[PROFILE_OPTION])
+  text = path.read_text()
+  copies = re.findall(r'latencies \{ source: "([^"]+)" target: "([^"]+)"',
+                      text)
+  assert copies
+  compiled = jlms.xla_memory(step, *args, target="h100")
+  names = set(re.findall(r'scheduling_name="([^"]+)"', compiled.hlo_text))
+  assert all(start in names and done in names for start, done in copies)
+  assert compiled.peak_bytes == plan.xla_peak_bytes
+
+
+def test_a_plan_that_copies_nothing_compiles_without_a_profile():
+  case = models.scan_mlp_case(layers=4, width=256, batch=1024)
+  args = case.abstract_args()
+  step = jlms.offload(case.step, budget="90%", target="h100")
+  step.plan(*args)
+  assert PROFILE_OPTION not in _options(step, args)
