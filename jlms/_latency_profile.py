@@ -411,6 +411,16 @@ def profile_of(hlo_text: str, target: GpuTarget) -> Profile:
   return Profile(costs, latencies)
 
 
+def schedule_of(hlo_text: str) -> tuple:
+  """The order XLA's scheduler gave a compiled program: the scheduling
+  names of each scheduled computation's instructions, in order."""
+  computations, entry = parse_computations(hlo_text)
+  if entry is None:
+    return ()
+  return tuple(tuple(i.scheduling_name for i in computations[name])
+               for name in _scheduled(computations, entry))
+
+
 def latency_profile(hlo_text: str, target: GpuTarget) -> str | None:
   """The profile of `profile_of` as XLA reads it, or None where the
   program copies nothing over the host link (there is nothing to hide)."""

@@ -40,7 +40,7 @@ from jlms._config import SyncMode
 from jlms._cost import time_target
 from jlms._fit import fit
 from jlms._latency_profile import (PROFILE_OPTION, latency_profile,
-                                   write_profile)
+                                   schedule_of, write_profile)
 from jlms._liveness import aval_nbytes
 from jlms._plan import build_plan
 from jlms._options import DEVICE, SearchOptions
@@ -961,8 +961,11 @@ def _with_latency_profile(request: SearchRequest, chosen: _Candidate
   the kernels before it take to hide it (a 6.58B GPT with its moments on
   host, H100, schedule model: 16.3 ms of copies exposed without, 3.7 with
   the profile). Kept where XLA's peak with it stays within the budget (for
-  the least memory, no higher than without): starting copies earlier holds
-  their buffers longer."""
+  the least memory, no higher than without), since starting copies
+  earlier holds their buffers longer, and where XLA orders the program
+  otherwise with it (the 4-layer GPT of width 4096 at 16 GiB, JAX
+  0.12.0.1: the same order; JAX 0.10.2: 262.1 -> 247.4 ms by the schedule
+  model, but 15.93 -> 16.06 GiB)."""
   text = request.last_compiled.get(id(chosen.rewritten))
   if (text is None or chosen.measured is None
       or ASYNC_COPIES_OPTION not in chosen.compiler_options):
@@ -974,10 +977,13 @@ def _with_latency_profile(request: SearchRequest, chosen: _Candidate
   measured = request.xla_peak(chosen.rewritten, request.plain.state.inputs,
                               options=options)
   limit = request.budget if request.budget is not None else chosen.measured
+  reordered = schedule_of(text) != schedule_of(
+      request.last_compiled.get(id(chosen.rewritten), ""))
   log.info("jlms: XLA's peak on %s with a latency profile of the plan's "
-           "copies: %s (without: %s)", request.target,
-           format_bytes(measured), format_bytes(chosen.measured))
-  if measured > limit:
+           "copies: %s (without: %s); %s", request.target,
+           format_bytes(measured), format_bytes(chosen.measured),
+           "reordered" if reordered else "the same order")
+  if measured > limit or not reordered:
     return chosen
   return dataclasses.replace(chosen, measured=measured,
                              compiler_options=options)

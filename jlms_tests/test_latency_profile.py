@@ -12,7 +12,8 @@ from benchmarks import models
 from jlms import _compat
 from jlms._cost import time_target
 from jlms._latency_profile import (PROFILE_OPTION, latency_profile,
-                                   parse_computations, profile_of)
+                                   parse_computations, profile_of,
+                                   schedule_of)
 
 H100 = time_target("h100")
 MIB = 1 << 20
@@ -100,6 +101,23 @@ def test_computations_are_read_with_their_entry():
   assert [i.opcode for i in computations["body"]] == [
       "parameter", "get-tuple-element", "get-tuple-element", "fusion",
       "tuple"]
+
+
+def test_a_schedule_is_the_order_of_the_scheduled_computations():
+  schedule = schedule_of(_MODULE)
+  assert len(schedule) == 3  # the entry, the loop's body and condition
+  assert schedule[0][3:6] == ("copy-start", "gemm_fusion.3", "copy-done")
+  # The copy's wait moved before the matmul: another order.
+  moved = _MODULE.replace(
+      "  %copy-done.4 = f32[1024,1024]{1,0} copy-done(%copy-start.4), "
+      'metadata={scheduling_name="copy-done"}\n', "")
+  moved = moved.replace(
+      "  %gemm_fusion =", "  %copy-done.4 = f32[1024,1024]{1,0} copy-done("
+      '%copy-start.4), metadata={scheduling_name="copy-done"}\n'
+      "  %gemm_fusion =")
+  assert moved != _MODULE
+  assert schedule_of(moved) != schedule
+  assert schedule_of(moved)[1:] == schedule[1:]
 
 
 def _options(step, args) -> dict:
