@@ -19,7 +19,8 @@ Each step is planned by `jlms.offload` for an H100 and compiled deviceless
   4096 that fits with its state on host (`benchmarks.largest_gpt`), with a
   128 GB host budget.
 
-Columns: XLA's device peak and host argument bytes; the bytes each way
+Columns: whether the plan runs with a latency profile of its copies
+(`jlms._latency_profile`); XLA's device peak and host argument bytes; the bytes each way
 over the link and the schedule model's total, compute and exposed copy
 time (`../shared/tools/step_time.py`); jlms's predicted total and exposed
 copy time as planned (the H100 calibration, 52 GB/s) and with the schedule
@@ -41,6 +42,8 @@ import time
 import jax
 
 import jlms
+from jlms import _compat
+from jlms._latency_profile import PROFILE_OPTION
 from benchmarks import frontier_cases, models
 from benchmarks._output import print_table, write_json
 from benchmarks._predicted import (prediction_columns, relative_error,
@@ -88,7 +91,10 @@ def measure(name, step, args, yardstick) -> dict:
   plan = step.plan(*args)
   planning_s = time.perf_counter() - start
   memory = jlms.xla_memory(step, *args, target=TARGET)
+  options = _compat.compiler_options(step.lower(*args)) or ()
   row = {"step": name, "planning_s": round(planning_s, 1),
+         # Whether it runs with jlms's latency profile of its copies.
+         "latency_profile": PROFILE_OPTION in dict(options),
          "peak_gib": round(memory.peak_bytes / GIB, 2),
          "host_argument_gib": round(memory.host_argument_bytes / GIB, 2),
          "state_leaves_on_host": plan.state_leaves,
@@ -106,7 +112,7 @@ def measure(name, step, args, yardstick) -> dict:
   return row
 
 
-COLUMNS = ("step", "peak_gib", "d2h_gib", "h2d_gib", "link_floor_ms",
+COLUMNS = ("step", "latency_profile", "peak_gib", "d2h_gib", "h2d_gib", "link_floor_ms",
            "schedule_ms", "schedule_compute_ms", "schedule_exposed_copy_ms",
            "predicted_ms", "predicted_exposed_copy_ms", "exposed_error",
            "roofline_predicted_ms", "roofline_predicted_exposed_copy_ms",

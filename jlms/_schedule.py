@@ -189,13 +189,17 @@ def predict_step_time(program: Program, liveness: Liveness,
       beside[copy.index][0] += target.transfer_seconds(copy.to_host_beside)
       beside[copy.index][1] += target.transfer_seconds(
           copy.to_device_beside)
-      fetch = target.transfer_seconds(copy.to_device - copy.to_device_beside)
-      write = target.transfer_seconds(copy.to_host - copy.to_host_beside)
+      fetched = copy.to_device - copy.to_device_beside
+      written = copy.to_host - copy.to_host_beside
       if target.copies_profiled:
-        first_fetch[copy.index] += fetch
-        last_write[copy.index] += write
-      else:
-        after[copy.index] += fetch + write
+        # The edges leave the loop's waits; the fetches it waits for
+        # inside its body stay.
+        edge = min(copy.edge_bytes, fetched, written)
+        first_fetch[copy.index] += target.transfer_seconds(edge)
+        last_write[copy.index] += target.transfer_seconds(edge)
+        fetched, written = fetched - edge, written - edge
+      after[copy.index] += (target.transfer_seconds(fetched)
+                            + target.transfer_seconds(written))
     elif copy.serial_bytes is not None:
       after[copy.index] += target.transfer_seconds(copy.serial_bytes)
     else:

@@ -101,6 +101,11 @@ class StateCopy:
   # the rest is waited for after them.
   to_device_beside: int = 0
   to_host_beside: int = 0
+  # Of the bytes not beside, each way: the slices fetched before the
+  # loop's first iteration and written back after its last (outside its
+  # body, where a latency profile lets XLA hide them under the kernels
+  # before and after the loop, `GpuTarget.copies_profiled`).
+  edge_bytes: int = 0
 
 
 def state_pairs(program: Program, donated: Sequence[int]
@@ -448,7 +453,8 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
         copies.append(StateCopy(len(equations), fused.to_device,
                                 fused.to_host, fused.leaves,
                                 to_device_beside=fused.to_device_beside,
-                                to_host_beside=fused.to_host_beside))
+                                to_host_beside=fused.to_host_beside,
+                                edge_bytes=fused.edge_bytes))
       swap = renamed.get(index)
       if swap:
         equation = dataclasses.replace(equation, inputs=tuple(

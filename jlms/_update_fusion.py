@@ -86,6 +86,9 @@ class FusedLoop:
   # loop's kernels; the rest it waits for (see `_beside_kernels`).
   to_device_beside: int = 0
   to_host_beside: int = 0
+  # Of the rest, each way, the slices fetched before the first iteration
+  # and written back after the last, outside the loop's body.
+  edge_bytes: int = 0
 
 
 def is_sliceable(equation: Equation, program: Program, shape) -> bool:
@@ -529,7 +532,7 @@ def fused_update_loop(program: Program, liveness: Liveness, loop: int,
   return FusedLoop(fused, tuple(tuple(run) for run in runs), moved,
                    moved, tuple(out for _, out in host_carried),
                    len(host_carried) + len(device_carried),
-                   to_device_beside, to_host_beside)
+                   to_device_beside, to_host_beside, moved - stacks)
 
 
 #: The most buffers on host whose fetches XLA's scheduler runs beside the

@@ -107,7 +107,8 @@ def test_a_fused_update_loops_copies_are_priced_beside_its_kernels():
   def exposed(buffers, target=H100):
     fetched, written = _beside_kernels(buffers, stacks)
     copy = StateCopy(loop, stacks + edges, stacks + edges,
-                     to_device_beside=fetched, to_host_beside=written)
+                     to_device_beside=fetched, to_host_beside=written,
+                     edge_bytes=edges)
     return predict_step_time(program, liveness, seconds, (), target,
                              state_copies=(copy,)).exposed_transfer_s
 
@@ -126,9 +127,12 @@ def test_a_fused_update_loops_copies_are_priced_beside_its_kernels():
   # under those after it, each up to their seconds.
   profiled = dataclasses.replace(H100, copies_profiled=True)
   before, after = float(seconds[:loop].sum()), float(seconds[loop + 1:].sum())
-  assert exposed(2, profiled) == pytest.approx(
-      max(0.0, edge - before) + max(0.0, edge - after))
+  hidden = max(0.0, edge - before) + max(0.0, edge - after)
+  assert exposed(2, profiled) == pytest.approx(hidden)
   assert exposed(2, profiled) < exposed(2)
+  # The fetches waited for inside the loop's body still wait.
+  assert exposed(4, profiled) == pytest.approx(
+      hidden + H100.transfer_seconds(stacks - stacks // 2))
 
 
 def test_xlas_scheduler_overlaps_only_under_its_memory_limit():
