@@ -31,7 +31,9 @@ calibrated 60-70% of their roofline; 3.7 at their roofline).
 Guarantees: a pure function of the compiled program's text and a
 `GpuTarget`; it names only instructions of the computations the scheduler
 orders (not those inside fusions); no profile (None) for a program that
-copies nothing to or from host memory.
+copies nothing to or from host memory. A profile's file that is gone by
+a later compile (a temporary directory cleaned) costs only the profile:
+XLA logs "PGLE profile file does not exist" and schedules without it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 import pathlib
 import re
 import tempfile
@@ -230,8 +233,8 @@ class _Pricer:
 
   def _fused_work(self, name: str) -> tuple:
     """(FLOPs, contraction's dtype, {parameter number: bytes it reads or
-    None for all of it}, whether it updates a parameter in place) of the
-    fused computation `name`."""
+    None for all of it}, the numbers of the parameters it updates in
+    place) of the fused computation `name`."""
     if name in self._fused:
       return self._fused[name]
     body = self.computations.get(name, ())
@@ -252,7 +255,7 @@ class _Pricer:
         flops += inner_flops
         dtype = dtype or inner_dtype
     reads: dict[int, float | None] = {}
-    in_place = False
+    in_place: set[int] = set()
     for instruction in body:
       if instruction.opcode != "parameter":
         continue
@@ -264,9 +267,10 @@ class _Pricer:
         reads[index] = sum(r.nbytes for r, _ in readers)
       elif readers and all(r.opcode == "dynamic-update-slice" and p == 0
                            for r, p in readers):
-        update = by_name.get(readers[0][0].operands[1])
-        reads[index] = update.nbytes if update is not None else 0.0
-        in_place = True
+        updates = [by_name.get(r.operands[1]) for r, _ in readers
+                   if len(r.operands) > 1]
+        reads[index] = sum(u.nbytes for u in updates if u is not None)
+        in_place.add(index)
       else:
         reads[index] = None
     self._fused[name] = (flops, dtype, reads, in_place)
@@ -289,8 +293,13 @@ class _Pricer:
       flops, dtype, reads, in_place = self._fused_work(instruction.called[0])
       read = [reads.get(i) if reads.get(i) is not None else full
               for i, full in enumerate(read)]
-      if in_place:
-        written = 0.0  # its update, counted as read
+      # An output updated in place writes only its update, counted as
+      # read: the buffer it aliases is not written whole.
+      written = max(0.0, written - sum(
+          operands[i].nbytes for i in in_place
+          if i < len(operands) and operands[i] is not None))
+    elif opcode == "custom-call" and not instruction.operands:
+      return None  # an allocation (XLA's AllocateBuffer): nothing moves
     elif opcode == "custom-call" and any(
         kind in (instruction.attribute("custom_call_target") or "")
         for kind in _LIBRARY_CONTRACTIONS):
@@ -335,16 +344,20 @@ class _Pricer:
         a.host for a in start.arrays)
     if not touches_host or not body:
       return None
-    root = body[-1]
-    if root.opcode == "fusion" and root.called:
-      inner = self.computations.get(root.called[0], ())
-      root = inner[-1] if inner else root
-    if root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
-      by_name = {i.name: i for i in body}
-      update = by_name.get(root.operands[1])
-      moved = update.nbytes if update is not None else root.nbytes
+    # The slicing is in the wrapped computation, or in a fusion it calls.
+    while body and body[-1].opcode == "fusion" and body[-1].called and (
+        body[-1].called[0] in self.computations):
+      body = self.computations[body[-1].called[0]]
+    by_name = {i.name: i for i in body}
+    updates = [by_name.get(i.operands[1]) for i in body
+               if i.opcode == "dynamic-update-slice" and len(i.operands) > 1]
+    slices = [i for i in body if i.opcode == "dynamic-slice"]
+    if updates:
+      moved = sum(u.nbytes for u in updates if u is not None)
+    elif slices:
+      moved = sum(i.nbytes for i in slices)
     else:
-      moved = root.arrays[0].nbytes if root.arrays else 0.0
+      moved = body[-1].nbytes
     return self.target.transfer_seconds(moved)
 
 
@@ -432,11 +445,17 @@ def write_profile(text: str) -> str:
   """The path of a file holding `text`, named by its content in a folder
   of the machine's temporary directory (the compile that reads it, and
   any later one of the same plan in this process, find it there)."""
-  folder = pathlib.Path(tempfile.gettempdir()) / "jlms-latency-profiles"
-  folder.mkdir(parents=True, exist_ok=True)
+  # One folder per user, that only they can write: another user's file
+  # of the same name is never read.
+  user = getattr(os, "getuid", lambda: "")()
+  folder = pathlib.Path(tempfile.gettempdir()) / f"jlms-latency-profiles-{user}"
+  folder.mkdir(mode=0o700, parents=True, exist_ok=True)
   path = folder / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.pbtxt"
   if not path.is_file():
-    staging = path.with_suffix(".partial")
-    staging.write_text(text)
-    staging.replace(path)  # whole, or not there
+    # Written under a name of its own, then renamed: a process writing
+    # the same profile beside this one never reads half of it.
+    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".partial",
+                                     delete=False) as staging:
+      staging.write(text)
+    os.replace(staging.name, path)
   return str(path)

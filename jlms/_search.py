@@ -974,8 +974,14 @@ def _with_latency_profile(request: SearchRequest, chosen: _Candidate
   if profile is None:
     return chosen
   options = {**chosen.compiler_options, PROFILE_OPTION: write_profile(profile)}
-  measured = request.xla_peak(chosen.rewritten, request.plain.state.inputs,
-                              options=options)
+  try:
+    measured = request.xla_peak(chosen.rewritten, request.plain.state.inputs,
+                                options=options)
+  except Exception as error:  # the plan runs as confirmed without it
+    log.warning("jlms: XLA did not compile the plan with a latency "
+                "profile of its copies (%s); it runs without one",
+                str(error).splitlines()[0] if str(error) else error)
+    return chosen
   limit = request.budget if request.budget is not None else chosen.measured
   reordered = schedule_of(text) != schedule_of(
       request.last_compiled.get(id(chosen.rewritten), ""))
@@ -992,6 +998,9 @@ def _with_latency_profile(request: SearchRequest, chosen: _Candidate
 def _planned(request: SearchRequest, config, chosen: _Candidate
              ) -> PlannedStep:
   """The planned step of the fit `chosen`, with its plan."""
+  # The plan keeps the request (its times are priced on demand): not the
+  # texts of the programs the search compiled.
+  request.last_compiled.clear()
   placed, result, times = chosen.placed, chosen.result, request.time
   plain = request.plain
   measured = chosen.measured

@@ -83,6 +83,55 @@ def test_kernels_are_priced_at_their_roofline_and_host_copies_at_the_link():
       profile.costs)
 
 
+# An update in place of a stacked buffer on host, as an asynchronous slice
+# (the write-back of a layer's moment), the same update of a stack on the
+# device as a kernel, and an allocation of a host buffer.
+_SLICES = """HloModule jit_step, is_scheduled=true
+
+%wrapped_dynamic-update-slice_computation (param_0: f32[32,1024,1024], param_1: f32[1,1024,1024], param_2: s32[]) -> f32[32,1024,1024] {
+  %param_0 = f32[32,1024,1024]{2,1,0:S(5)} parameter(0), metadata={scheduling_name="param_0"}
+  %param_1 = f32[1,1024,1024]{2,1,0} parameter(1), metadata={scheduling_name="param_1"}
+  %copy.1 = f32[1,1024,1024]{2,1,0} copy(%param_1)
+  %param_2 = s32[] parameter(2), metadata={scheduling_name="param_2"}
+  %zero = s32[] constant(0)
+  ROOT %dynamic-update-slice.1 = f32[32,1024,1024]{2,1,0:S(5)} dynamic-update-slice(%param_0, %copy.1, %param_2, %zero, %zero)
+}
+
+%fused_update (p0: f32[32,1024,1024], p1: f32[1,1024,1024], p2: s32[]) -> f32[32,1024,1024] {
+  %p0 = f32[32,1024,1024]{2,1,0} parameter(0)
+  %p1 = f32[1,1024,1024]{2,1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus.2 = f32[32,1024,1024]{2,1,0} dynamic-update-slice(%p0, %p1, %p2, %z, %z)
+}
+
+ENTRY %main.3 (h: f32[32,1024,1024], u: f32[1,1024,1024], i: s32[], d: f32[32,1024,1024]) -> (f32[32,1024,1024], f32[32,1024,1024], f32[32,1024,1024]) {
+  %h = f32[32,1024,1024]{2,1,0:S(5)} parameter(0)
+  %u = f32[1,1024,1024]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %d = f32[32,1024,1024]{2,1,0} parameter(3)
+  %custom-call.7 = f32[32,1024,1024]{2,1,0:S(5)} custom-call(), custom_call_target="AllocateBuffer", metadata={scheduling_name="custom-call.7"}
+  %dynamic-update-slice-start.1 = ((f32[32,1024,1024]{2,1,0:S(5)}, f32[1,1024,1024]{2,1,0}, s32[]), f32[32,1024,1024]{2,1,0:S(5)}, u32[]) fusion-start(%h, %u, %i), kind=kLoop, calls=%wrapped_dynamic-update-slice_computation, metadata={scheduling_name="dynamic-update-slice-start.1"}
+  %loop_dynamic_update_slice_fusion = f32[32,1024,1024]{2,1,0} fusion(%d, %u, %i), kind=kLoop, calls=%fused_update, metadata={scheduling_name="loop_dynamic_update_slice_fusion"}
+  %dynamic-update-slice-done.1 = f32[32,1024,1024]{2,1,0:S(5)} fusion-done(%dynamic-update-slice-start.1), metadata={scheduling_name="dynamic-update-slice-done.1"}
+  ROOT %t = (f32[32,1024,1024]{2,1,0:S(5)}, f32[32,1024,1024]{2,1,0}, f32[32,1024,1024]{2,1,0:S(5)}) tuple(%dynamic-update-slice-done.1, %loop_dynamic_update_slice_fusion, %custom-call.7)
+}
+"""
+
+
+def test_a_slice_moves_its_slice_not_the_stack_it_updates():
+  profile = profile_of(_SLICES, H100)
+  # The write-back of one 4 MiB layer of a 128 MiB stack on host.
+  assert profile.latencies == {
+      ("dynamic-update-slice-start.1", "dynamic-update-slice-done.1"):
+      pytest.approx(4 * MIB / 52e9)}
+  # On the device: the update read, and written in place (not 128 MiB).
+  assert profile.costs["loop_dynamic_update_slice_fusion"] == pytest.approx(
+      8 * MIB / H100.hbm_bytes_per_s)
+  # An allocation runs no kernel.
+  assert "custom-call.7" not in profile.costs
+
+
 def test_the_profile_is_text_that_xla_reads_and_none_without_host_copies():
   text = latency_profile(_MODULE, H100)
   assert re.search(r'^costs \{ name: "gemm_fusion.3" cost_us: [\d.]+ \}$',
