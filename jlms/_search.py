@@ -962,10 +962,10 @@ def _with_latency_profile(request: SearchRequest, chosen: _Candidate
   host, H100, schedule model: 16.3 ms of copies exposed without, 3.7 with
   the profile). Kept where XLA's peak with it stays within the budget (for
   the least memory, no higher than without), since starting copies
-  earlier holds their buffers longer, and where XLA orders the program
-  otherwise with it (the 4-layer GPT of width 4096 at 16 GiB, JAX
-  0.12.0.1: the same order; JAX 0.10.2: 262.1 -> 247.4 ms by the schedule
-  model, but 15.93 -> 16.06 GiB)."""
+  earlier holds their buffers longer (the 4-layer GPT of width 4096 at 16
+  GiB, JAX 0.10.2: 262.1 -> 247.4 ms by the schedule model, but 15.93 ->
+  16.06 GiB), and where XLA orders the program otherwise with it: the
+  same order is the same program, priced as without."""
   text = request.last_compiled.get(id(chosen.rewritten))
   if (text is None or chosen.measured is None
       or ASYNC_COPIES_OPTION not in chosen.compiler_options):
