@@ -29,7 +29,7 @@ import re
 
 import numpy as np
 
-from jlms._xla_memory import hlo_computations, split_operands
+from jlms._xla_memory import hlo_computations, hlo_itemsize, split_operands
 
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -45,21 +45,10 @@ def _shape_bytes(shape: str) -> int:
   """Bytes of every array in an HLO shape (a tuple's, summed)."""
   total = 0.0
   for dtype, dims in _ARRAY.findall(shape):
-    if dtype in _ITEMSIZE:
-      itemsize = _ITEMSIZE[dtype]
-    elif dtype.startswith("f8"):  # every float8 variant
-      itemsize = 1
-    else:
-      continue  # token[], opaque types
-    total += itemsize * int(np.prod([int(d) for d in dims.split(",") if d]))
+    itemsize = hlo_itemsize(dtype)
+    if itemsize is not None:  # not token[] or opaque types
+      total += itemsize * int(np.prod([int(d) for d in dims.split(",") if d]))
   return int(total)
-
-
-_ITEMSIZE = {"pred": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s8": 1,
-             "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8,
-             "u64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
-             "s2": 0.25, "u2": 0.25, "s1": 0.125, "u1": 0.125,
-             "f4e2m1fn": 0.5}
 
 
 def _kind(opcode: str) -> str | None:

@@ -48,15 +48,11 @@ import tempfile
 import types
 
 from jlms._cost import GpuTarget
+from jlms._xla_memory import hlo_computations, hlo_itemsize, split_operands
 
 #: XLA's compiler option naming the profile's file.
 PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
 
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-    "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5,
-    "token": 0}
 #: XLA's element types as `GpuTarget.contraction_peak` names them.
 _PEAK_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16",
                 "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2",
@@ -64,8 +60,6 @@ _PEAK_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16",
 #: The memory space of pinned host buffers in XLA's GPU programs.
 _HOST_SPACE = "S(5)"
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\](\{[^}]*\})?")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _CALLED = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|"
                      r"false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -85,7 +79,7 @@ class _Array:
 
   @property
   def nbytes(self) -> float:
-    return math.prod(self.dims) * _DTYPE_BYTES.get(self.dtype, 4)
+    return math.prod(self.dims) * hlo_itemsize(self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,14 +89,13 @@ class _Instruction:
   arrays: tuple  # its shape's arrays (a tuple shape's, flattened)
   opcode: str
   operands: tuple  # names
+  #: Its text after the shape: opcode, operands and attributes.
   attributes: str
-  #: What stands between its opcode's brackets (a parameter's number).
-  operand_text: str = ""
 
   @property
   def parameter_number(self) -> int:
-    found = re.search(r"\d+", self.operand_text)
-    return int(found.group(0)) if found else 0
+    found = re.match(r"parameter\((\d+)\)", self.attributes)
+    return int(found.group(1)) if found else 0
 
   def attribute(self, key: str) -> str | None:
     found = re.search(rf"\b{key}=\"?([^\",\s]+)", self.attributes)
@@ -122,62 +115,24 @@ def _arrays(shape_text: str) -> tuple:
       _Array(dtype, tuple(int(d) for d in dims.split(",") if d),
              _HOST_SPACE in (layout or ""))
       for dtype, dims, layout in _ARRAY.findall(shape_text)
-      if dtype in _DTYPE_BYTES)
-
-
-def _closing(text: str, start: int) -> int:
-  """The index just past the bracket that closes the one at `start`."""
-  depth = 0
-  for index in range(start, len(text)):
-    if text[index] in "({[":
-      depth += 1
-    elif text[index] in ")}]":
-      depth -= 1
-      if depth == 0:
-        return index + 1
-  return len(text)
-
-
-def _parse_instruction(line: str) -> _Instruction | None:
-  match = _INSTRUCTION.match(line)
-  if match is None:
-    return None
-  name, rest = match.groups()
-  end = _closing(rest, 0) if rest.startswith("(") else rest.find(" ")
-  if end < 0:
-    return None
-  shape_text, rest = rest[:end], rest[end:].lstrip()
-  opcode_end = rest.find("(")
-  if opcode_end <= 0:
-    return None
-  operands_end = _closing(rest, opcode_end)
-  attributes = rest[operands_end:]
-  scheduled = re.search(r'scheduling_name="([^"]+)"', attributes)
-  return _Instruction(
-      name, scheduled.group(1) if scheduled else name, _arrays(shape_text),
-      rest[:opcode_end].strip(),
-      tuple(re.findall(r"%([\w.\-]+)", rest[opcode_end:operands_end])),
-      attributes, rest[opcode_end + 1:operands_end - 1])
+      if hlo_itemsize(dtype) is not None)
 
 
 def parse_computations(hlo_text: str) -> tuple[dict, str | None]:
   """({computation name: its instructions in order}, the entry's name) of
-  an HLO module's text."""
-  computations: dict[str, list] = {}
-  entry = current = None
-  for line in hlo_text.splitlines():
-    if line and not line[0].isspace():
-      header = _HEADER.match(line)
-      current = header.group(1) if header else None
-      if current is not None:
-        computations[current] = []
-        if line.startswith("ENTRY"):
-          entry = current
-      continue
-    if current is not None:
-      instruction = _parse_instruction(line)
-      if instruction is not None:
-        computations[current].append(instruction)
+  an HLO module's text (read by `jlms._xla_memory.hlo_computations`)."""
+  computations, entry = {}, None
+  for computation in hlo_computations(hlo_text):
+    instructions = []
+    for name, shape, rest in computation.instructions:
+      opcode, operands = split_operands(rest)
+      scheduled = re.search(r'scheduling_name="([^"]+)"', rest)
+      instructions.append(_Instruction(
+          name, scheduled.group(1) if scheduled else name, _arrays(shape),
+          opcode, tuple(operands), rest))
+    computations[computation.name] = instructions
+    if computation.is_entry:
+      entry = computation.name
   return computations, entry
 
 

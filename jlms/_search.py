@@ -983,8 +983,9 @@ def _with_latency_profile(request: SearchRequest, chosen: _Candidate
                 str(error).splitlines()[0] if str(error) else error)
     return chosen
   limit = request.budget if request.budget is not None else chosen.measured
+  # `xla_peak` kept the text of the compile it just made.
   reordered = schedule_of(text) != schedule_of(
-      request.last_compiled.get(id(chosen.rewritten), ""))
+      request.last_compiled[id(chosen.rewritten)])
   log.info("jlms: XLA's peak on %s with a latency profile of the plan's "
            "copies: %s (without: %s); %s", request.target,
            format_bytes(measured), format_bytes(chosen.measured),

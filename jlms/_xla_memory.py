@@ -619,6 +619,22 @@ def _memory_of(compiled: jax.stages.Compiled, target: str) -> XlaMemory:
     )
 
 
+_ITEMSIZE = {"pred": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s8": 1,
+             "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8,
+             "u64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
+             "s2": 0.25, "u2": 0.25, "s1": 0.125, "u1": 0.125,
+             "f4e2m1fn": 0.5}
+
+
+def hlo_itemsize(dtype: str) -> float | None:
+    """Bytes of one element of an HLO element type (`f32`, `bf16`, any
+    float8 variant, ...); None for types that hold no array data (`token`,
+    opaque types)."""
+    if dtype in _ITEMSIZE:
+        return _ITEMSIZE[dtype]
+    return 1 if dtype.startswith("f8") else None
+
+
 # Memory space 5 is host memory in XLA's layouts: `f32[8]{0:S(5)}`.
 _HOST_SPACE = "S(5)"
 _COMPUTATION_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s")
