@@ -86,7 +86,8 @@ class GpuTarget:
   #: Whether XLA's scheduler orders the program by jlms's latency profile
   #: of it (`jlms._latency_profile`): then a fused update loop's fetch for
   #: its first iteration runs under the kernels before the loop, and its
-  #: last write-back beside the kernels after it, where without a profile
+  #: last write-back beside the kernels that may follow it (those it does
+  #: not read from, whatever their jaxpr order), where without a profile
   #: each is started a few kernels before its wait (the 6.58B GPT with its
   #: moments on host, schedule model: 16.3 ms of copies exposed without,
   #: 3.7 with). Set per program, as `streams_hide` is.

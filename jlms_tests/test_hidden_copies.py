@@ -25,8 +25,8 @@ from jlms._units import format_bytes
 from jlms._state import StateCopy
 from jlms._update_fusion import _beside_kernels
 from jlms._variants import loops_unwrapped
-from jlms._schedule import (predict_step_time, scheduler_overlaps,
-                            scheduler_slop_factor)
+from jlms._schedule import (_kernels_free_to_follow, predict_step_time,
+                            scheduler_overlaps, scheduler_slop_factor)
 from jlms._cost import kernel_seconds
 from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
 
@@ -133,6 +133,40 @@ def test_a_fused_update_loops_copies_are_priced_beside_its_kernels():
   # The fetches waited for inside the loop's body still wait.
   assert exposed(4, profiled) == pytest.approx(
       hidden + H100.transfer_seconds(stacks - stacks // 2))
+
+
+def test_kernels_a_loop_does_not_read_may_follow_it():
+  """What may hide a loop's last write-back: every kernel the loop does not
+  read from, also one the jaxpr makes before it (the tied embedding's
+  weight gradient of a GPT, which XLA runs after the backward loop)."""
+  def step(x, w):
+    unrelated = w @ w
+    def layer(carry, _):
+      return jnp.tanh(carry @ x), None
+    y, _ = jax.lax.scan(layer, x, None, length=4)
+    return y, unrelated
+
+  square = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+  program = flatten(jax.make_jaxpr(step)(square, square))
+  liveness = analyse(program)
+  seconds = kernel_seconds(program, H100)
+  names = [str(equation.primitive) for equation in program.equations]
+  matmul, loop = names.index("dot_general"), names.index("scan")
+  assert matmul < loop and seconds[matmul] > 0
+  free = _kernels_free_to_follow(program, liveness, seconds, loop)
+  assert free == pytest.approx(float(seconds[loop + 1:].sum())
+                               + float(seconds[matmul]))
+  # What the loop reads cannot follow it.
+  def feeding(x, w):
+    return jax.lax.scan(lambda c, _: (jnp.tanh(c @ x), None), w @ w, None,
+                        length=4)[0]
+  program = flatten(jax.make_jaxpr(feeding)(square, square))
+  seconds = kernel_seconds(program, H100)
+  names = [str(equation.primitive) for equation in program.equations]
+  loop = names.index("scan")
+  assert _kernels_free_to_follow(program, analyse(program), seconds,
+                                 loop) == pytest.approx(
+                                     float(seconds[loop + 1:].sum()))
 
 
 def test_xlas_scheduler_overlaps_only_under_its_memory_limit():
