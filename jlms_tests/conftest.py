@@ -233,6 +233,21 @@ def max_relative_error(actual, expected) -> float:
 _LONGEST_FIRST = ("test_properties.py",)
 
 
+def _leave_out_the_long_profile(config, items) -> None:
+  """Deselects the tests marked `long` (claims at realistic sizes, a minute
+  or more each, which the benchmarks measure too) unless the `-m`
+  expression names them: `python -m pytest` and CI's tiers leave them out
+  and say how many; `python -m pytest -m long` runs them alone."""
+  if "long" in (config.getoption("markexpr", "") or ""):
+    return
+  kept, left_out = [], []
+  for item in items:
+    (left_out if item.get_closest_marker("long") else kept).append(item)
+  if left_out:
+    config.hook.pytest_deselected(items=left_out)
+    items[:] = kept
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
   """The longest tests first (`_LONGEST_FIRST`), and xdist groups that
@@ -243,6 +258,7 @@ def pytest_collection_modifyitems(config, items):
   tests went to any worker, each building the group's module-scoped
   fixture (a large compile) again. Where the suffix is missing, it is set
   here, after xdist's own hook."""
+  _leave_out_the_long_profile(config, items)
   items.sort(key=lambda item: item.path.name not in _LONGEST_FIRST)
   if not getattr(config.option, "loadgroup", False):
     return

@@ -354,3 +354,32 @@ def test_the_doc_block_runs_on_a_cpu(block, request, tmp_path):
                         env=_environment(), timeout=BLOCK_TIMEOUT_S)
   assert done.returncode == 0, (
       f"{block} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+
+
+def test_the_long_profile_runs_only_when_its_marker_is_asked_for():
+  """testing.md: `python -m pytest` leaves the tests marked `long` out (as
+  deselected, not skipped), and `-m long` keeps them."""
+  import types
+  from jlms_tests.conftest import _leave_out_the_long_profile
+
+  class Item:
+    def __init__(self, marks):
+      self.marks = marks
+
+    def get_closest_marker(self, name):
+      return name if name in self.marks else None
+
+  def run(markexpr):
+    deselected = []
+    config = types.SimpleNamespace(
+        getoption=lambda name, default=None: markexpr,
+        hook=types.SimpleNamespace(
+            pytest_deselected=lambda items: deselected.extend(items)))
+    items = [Item({"slow", "long"}), Item({"slow"}), Item(set())]
+    _leave_out_the_long_profile(config, items)
+    return [sorted(item.marks) for item in items], len(deselected)
+
+  assert run("") == ([["slow"], []], 1)
+  assert run("slow") == ([["slow"], []], 1)
+  assert run("not slow") == ([["slow"], []], 1)
+  assert run("long") == ([["long", "slow"], ["slow"], []], 0)

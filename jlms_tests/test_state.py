@@ -539,6 +539,7 @@ def test_a_host_budget_refused_names_the_host_memory_of_a_plan_that_fits():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_gpt_device_peak_is_flat_in_depth_with_state_on_host(monkeypatch):
   """Issue 15: the scanned GPT (sequence 1024, width 512, 8 heads, batch
   8, AdamW) at budget="min", arguments donated: XLA's H100 peak at 24
@@ -565,6 +566,7 @@ def test_gpt_device_peak_is_flat_in_depth_with_state_on_host(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_gpt_of_six_billion_parameters_fits_an_h100(monkeypatch):
   """Issue 15: a 6.58B-parameter GPT decoder (32 layers, width 4096, 32
   heads, sequence 1024, batch 8, AdamW in float32: 73.6 GiB of state, a
