@@ -17,7 +17,8 @@ donate_argnums=(0,), host_budget=...)` with the arguments on H100 devices
 - 70b: batch 8 over a 1x1x8 H100 topology, FSDP-style: every state leaf
   split over the eight devices along its largest axis, the batch along its
   rows, the mesh axis Auto (`benchmarks.sharded.shard_step_args`). The
-  host budget is one process's pinned pool for the eight GPUs.
+  host budget is one GPU's pinned pool (XLA keeps one per GPU): 240 GiB,
+  a 2 TiB node's eighth less 128 GiB for the processes.
 
 One row per batch asked for (the one with the most tokens per second
 marked "best"), per device: planning seconds, XLA's device peak and host
@@ -72,7 +73,7 @@ SIZES = {
                json="llama_8b_h100.json"),
     "70b": dict(config=dict(hidden_size=8192, intermediate_size=28672,
                             num_hidden_layers=80, num_attention_heads=64),
-                batch=8, devices=8, host_budget="1500GiB",
+                batch=8, devices=8, host_budget="240GiB",  # per GPU
                 json="llama_70b_h100x8.json"),
 }
 

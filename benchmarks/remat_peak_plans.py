@@ -116,7 +116,8 @@ def fit_replaced_by(choose):
 
   def fit(program, liveness, budget_bytes, target, min_bytes=1 << 20,
           fusion=None, residuals=(), host_budget_bytes=None,
-          state_copies=()):
+          state_copies=(), host_scale=1.0):
+    del host_budget_bytes, host_scale  # the chosen offloads are the plan
     started = time.perf_counter()
     if fusion is None:
       fusion = _fit.analyse_fusion(program, liveness)

@@ -119,6 +119,7 @@ class _Problem:
     self.constants = step_constants(program, liveness, fusion)
     self.min_bytes = min_bytes
     self.host_budget: int | None = None
+    self.host_scale = 1.0  # one GPU's pinned pool per byte of host_budget
     # Whether the host budget turned a copy down: only then is raising it
     # worth saying when the budget is not met.
     self.host_budget_refused = False
@@ -289,29 +290,34 @@ class _Problem:
 def fit(program: Program, liveness: Liveness, budget_bytes: int | None,
         target: GpuTarget, min_bytes: int = 1 << 20,
         fusion: Fusion | None = None, residuals=(),
-        host_budget_bytes: int | None = None, state_copies=()) -> Fit:
+        host_budget_bytes: int | None = None, state_copies=(),
+        host_scale: float = 1.0) -> Fit:
   """The offloads, transfers and recomputations, that fit `budget_bytes` in
   the least predicted step time (see the module docstring); with
   `budget_bytes=None`, those that reach the smallest peak jlms can. The
   program's scan `residuals`, already streamed through host, and the copies
   of its state kept on host (`jlms._state.StateCopy`), are priced.
   No copy is chosen that would take the pinned host memory in use at once
-  above `host_budget_bytes`."""
+  above `host_budget_bytes`, in the program's sizes; `host_scale` is the
+  bytes of one GPU's pinned pool per byte of them, for the errors' figures
+  (`jlms._search.SearchRequest.host_scale`)."""
   started = time.perf_counter()
   if fusion is None:
     fusion = analyse_fusion(program, liveness)
   problem = _Problem(program, liveness, fusion, target, min_bytes, residuals,
                      state_copies)
   problem.host_budget = host_budget_bytes
+  problem.host_scale = host_scale
   baseline = problem.simulate(())
   if (host_budget_bytes is not None
       and baseline.host_peak_bytes > host_budget_bytes):
+    on_device = int(baseline.host_peak_bytes * host_scale)
     error = BudgetError(
         f"jlms: the state kept on host and the scan residuals streamed "
-        f"through host take {format_bytes(baseline.host_peak_bytes)} of "
+        f"through host take {format_bytes(on_device)} of "
         f"pinned host memory at once, above the host budget of "
-        f"{format_bytes(host_budget_bytes)}: "
-        f"{host_pool_advice(baseline.host_peak_bytes)}")
+        f"{format_bytes(int(host_budget_bytes * host_scale))}: "
+        f"{host_pool_advice(on_device)}")
     error.smallest_bytes = baseline.peak_bytes
     error.host_bytes = baseline.host_peak_bytes  # the host is what failed
     raise error
@@ -569,7 +575,8 @@ def _smallest_error(problem, timeline, budget) -> BudgetError:
       f"{_loop_working_memory(problem, timeline)}); raise "
       "the budget to at least that" + (
           "" if not problem.host_budget_refused else
-          f", or the host budget ({format_bytes(problem.host_budget)} of "
+          f", or the host budget ("
+          f"{format_bytes(int(problem.host_budget * problem.host_scale))} of "
           "pinned host memory, which bounds what can be copied out)"))
   error.smallest_bytes = timeline.peak_bytes
   return error

@@ -228,6 +228,22 @@ class SearchRequest:
                                 for v in self.plain.program.invars)
     return unseen_split(list(avals), self.leaves)
 
+  @property
+  def host_scale(self) -> float:
+    """Bytes of one GPU's pinned host pool per byte of the step's jaxpr
+    sizes. XLA gives each GPU its own pool (a `GetGpuHostAllocator` per
+    addressable device for the host memory space, in openxla/xla's
+    `se_gpu_pjrt_client.cc`), and the sizes are one device's, or under Auto
+    mesh axes the whole step's: 1/8 for a step split eight ways there."""
+    return 1 / self.split
+
+  def host_budget(self) -> int:
+    """The host budget (one GPU's pinned pool: `host_budget`, else XLA's)
+    in the step's jaxpr sizes."""
+    pool = self.options.host_budget_bytes(
+        confirm_target(self.options, on_gpu=self.on_gpu) == "local")
+    return int(pool / self.host_scale)
+
   def time_for(self, program, peak_bytes):
     """The time model for `program` peaking at `peak_bytes` (None: its
     arguments and outputs alone), both in the jaxpr's sizes: whether
@@ -647,14 +663,22 @@ def _short_of_host(request: SearchRequest, needed: int,
       confirm_target(request.options, on_gpu=request.on_gpu) == "local")
   fits = ("of the least memory" if request.budget is None
           else f"that fits {format_bytes(request.budget)}")
+  on_device = int(needed * request.host_scale)
   short = BudgetError(
       f"jlms: the plan {fits} holds "
-      f"{format_bytes(needed)} of pinned host memory at once (the state "
-      f"kept on host and the values copied there), above the host budget "
-      f"of {format_bytes(host_budget)}: {host_pool_advice(needed)}")
+      f"{format_bytes(on_device)} of pinned host memory at once (the state "
+      f"kept on host and the values copied there{_per_device(request)}), "
+      f"above the host budget of {format_bytes(host_budget)}: "
+      f"{host_pool_advice(on_device)}")
   short.smallest_bytes = getattr(error, "smallest_bytes", None)
   short.host_bytes = needed
   return short
+
+
+def _per_device(request: SearchRequest) -> str:
+  """Whose pinned host memory a host figure is, where the step's sizes are
+  more than one GPU's."""
+  return "" if request.split == 1 else ", on each GPU"
 
 
 def _search_budget(request: SearchRequest, plain_peak,
@@ -1064,7 +1088,8 @@ def _fit_way(request: SearchRequest, way, budget: int | None, host_budget):
   def fitted(time):
     return fit(placed.program, placed.liveness, budget, time,
                options.min_bytes_for(budget), placed.fusion, way.residuals,
-               host_budget, state_copies=placed.state_copies)
+               host_budget, state_copies=placed.state_copies,
+               host_scale=request.host_scale)
 
   time = request.time_for(placed.program, None)
   result = fitted(time)
@@ -1115,8 +1140,7 @@ def ranked_fits(request: SearchRequest, budget: int | None, ways=None,
   `refused`, where given, receives those that do not meet `budget`."""
   options = request.options
   fitted, last_error, last_rank = [], None, None
-  host_budget = options.host_budget_bytes(
-      confirm_target(options, on_gpu=request.on_gpu) == "local")
+  host_budget = request.host_budget()
   ways = _ways(request) if ways is None else ways
   for number, way in enumerate(ways):
     placed = way.placed

@@ -354,6 +354,13 @@ def test_fsdp_state_shards_go_to_each_devices_host():
   assert memory.host_argument_bytes > 0
   assert memory.host_argument_bytes * len(devices) == pytest.approx(
       plan.state_host_bytes, rel=0.02)
+  # Each GPU has its own pinned pool, and a host budget is one GPU's: three
+  # devices' shards of the state fit one, though the whole state does not.
+  per_device = memory.host_argument_bytes
+  within = jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
+                        target="h100", state_on_host=True, min_bytes=_LEAF,
+                        host_budget=3 * per_device).plan(*args)
+  assert within.state_host_bytes == plan.state_host_bytes > 3 * per_device
 
 def test_linen_train_state_outputs_equal_jit():
   class Block(nn.Module):
