@@ -237,12 +237,15 @@ class SearchRequest:
     mesh axes the whole step's: 1/8 for a step split eight ways there."""
     return 1 / self.split
 
-  def host_budget(self) -> int:
-    """The host budget (one GPU's pinned pool: `host_budget`, else XLA's)
-    in the step's jaxpr sizes."""
-    pool = self.options.host_budget_bytes(
+  def host_pool(self) -> int:
+    """One GPU's pinned host memory the plan may hold at once: `host_budget`,
+    else XLA's pool."""
+    return self.options.host_budget_bytes(
         confirm_target(self.options, on_gpu=self.on_gpu) == "local")
-    return int(pool / self.host_scale)
+
+  def host_budget(self) -> int:
+    """`host_pool` in the step's jaxpr sizes."""
+    return int(self.host_pool() / self.host_scale)
 
   def time_for(self, program, peak_bytes):
     """The time model for `program` peaking at `peak_bytes` (None: its
@@ -659,8 +662,7 @@ def _short_of_host(request: SearchRequest, needed: int,
                    error: BudgetError) -> BudgetError:
   """The budget's error where a plan fits the device with `needed` bytes
   of pinned host memory, more than the host budget."""
-  host_budget = request.options.host_budget_bytes(
-      confirm_target(request.options, on_gpu=request.on_gpu) == "local")
+  host_budget = request.host_pool()
   fits = ("of the least memory" if request.budget is None
           else f"that fits {format_bytes(request.budget)}")
   on_device = int(needed * request.host_scale)
