@@ -301,113 +301,198 @@ def fit(program: Program, liveness: Liveness, budget_bytes: int | None,
   above `host_budget_bytes`, in the program's sizes; `host_scale` is the
   bytes of one GPU's pinned pool per byte of them, for the errors' figures
   (`jlms._search.SearchRequest.host_scale`)."""
-  started = time.perf_counter()
-  if fusion is None:
-    fusion = analyse_fusion(program, liveness)
-  problem = _Problem(program, liveness, fusion, target, min_bytes, residuals,
-                     state_copies)
-  problem.host_budget = host_budget_bytes
-  problem.host_scale = host_scale
-  baseline = problem.simulate(())
-  if (host_budget_bytes is not None
-      and baseline.host_peak_bytes > host_budget_bytes):
-    on_device = int(baseline.host_peak_bytes * host_scale)
-    error = BudgetError(
-        f"jlms: the state kept on host and the scan residuals streamed "
-        f"through host take {format_bytes(on_device)} of "
-        f"pinned host memory at once, above the host budget of "
-        f"{format_bytes(int(host_budget_bytes * host_scale))}: "
-        f"{host_pool_advice(on_device)}")
-    error.smallest_bytes = baseline.peak_bytes
-    error.host_bytes = baseline.host_peak_bytes  # the host is what failed
-    raise error
-  baseline_time = problem.step_time(())
-  chosen: list[Offload] = []
-  timeline = baseline
-  step_time = baseline_time
-  if budget_bytes is None or baseline.peak_bytes > budget_bytes:
-    timeline, step_time = _fit_greedily(problem, budget_bytes, chosen,
-                                        baseline, baseline_time)
-    timeline, step_time = _remake_once(problem, chosen, timeline, step_time)
-  result = Fit(tuple(chosen), timeline, baseline, step_time, baseline_time,
-               budget_bytes, time.perf_counter() - started, target)
-  log.info("jlms: fitted %s in %.2f s: %d values recomputed, %d copied to "
-           "host; predicted peak %s, step %s",
-           "the least memory" if budget_bytes is None
-           else format_bytes(budget_bytes),
-           result.seconds, result.recomputed, result.transferred,
-           format_bytes(timeline.peak_bytes), step_time.describe())
-  return result
+  return Fitter(program, liveness, target, min_bytes, fusion, residuals,
+                host_budget_bytes, state_copies, host_scale).fit(budget_bytes)
 
 
-def _fit_greedily(problem: _Problem, budget: int | None, chosen: list,
-                  timeline: MemoryTimeline, step_time: StepTime):
-  gaps = {v: g for v in problem.candidates()
-          if (g := problem.gap(v)) is not None}
-  transfers: dict = {}
-  moved: dict[int, _Option] = {}  # value -> the option chosen for it
-  remade_at = _RemadeAt()  # the recomputations among them, by place
-  # value -> the earliest equation at which a chosen recomputation reads
-  # it: moving it is fine if it is back on the device by then.
-  needed_by: dict[int, int] = {}
-  # (value, far) -> its recomputation, derived once and again only when a
-  # value its chain reached is moved: a round moves one value, and most
-  # chains never reach it (Gemma2-2B: about 250 chains a round, 300 rounds).
-  remakes: dict = {}
-  watchers: dict[int, list] = {}  # value -> remakes that read its move
-  while budget is None or timeline.peak_bytes > budget:
-    peak = timeline.peak_index
-    ranked = []
-    for value, (near, far) in gaps.items():
+class Fitter:
+  """`fit` of one program, time model and host budget, at one budget after
+  another. The greedy fit's choices do not depend on the budget, only where
+  they stop: a fit for a budget below every peak the choices so far passed
+  through continues from the last fit's choices instead of starting again
+  (a budget search fits tighter after XLA refuses a plan: the 70B Llama's
+  program as it is took minutes to fit from the start). Its fits equal
+  `fit`'s from the start."""
+
+  def __init__(self, program: Program, liveness: Liveness,
+               target: GpuTarget, min_bytes: int = 1 << 20,
+               fusion: Fusion | None = None, residuals=(),
+               host_budget_bytes: int | None = None, state_copies=(),
+               host_scale: float = 1.0):
+    self.program, self.liveness, self.target = program, liveness, target
+    self.min_bytes = min_bytes
+    self.host_budget_bytes, self.host_scale = host_budget_bytes, host_scale
+    self._arguments = (fusion, residuals, state_copies)
+    self._greedy: _Greedy | None = None
+
+  def continues_to(self, budget_bytes: int | None) -> bool:
+    """Whether a fit for `budget_bytes` continues from the last one's
+    choices (else it starts again)."""
+    greedy = self._greedy
+    return greedy is not None and (budget_bytes is None
+                                   or budget_bytes < greedy.passed_least)
+
+  def fit(self, budget_bytes: int | None) -> Fit:
+    started = time.perf_counter()
+    if not self.continues_to(budget_bytes):
+      self._greedy = self._start()
+    greedy = self._greedy
+    problem = greedy.problem
+    timeline, step_time = greedy.baseline, greedy.baseline_time
+    chosen: list[Offload] = []
+    if budget_bytes is None or greedy.baseline.peak_bytes > budget_bytes:
+      timeline, step_time = greedy.run(budget_bytes)
+      chosen = list(greedy.chosen)
+      timeline, step_time = _remake_once(problem, chosen, timeline, step_time)
+    result = Fit(tuple(chosen), timeline, greedy.baseline, step_time,
+                 greedy.baseline_time, budget_bytes,
+                 time.perf_counter() - started, self.target)
+    log.info("jlms: fitted %s in %.2f s: %d values recomputed, %d copied "
+             "to host; predicted peak %s, step %s",
+             "the least memory" if budget_bytes is None
+             else format_bytes(budget_bytes),
+             result.seconds, result.recomputed, result.transferred,
+             format_bytes(timeline.peak_bytes), step_time.describe())
+    return result
+
+  def refusal(self, budget_bytes: int, least: Fit) -> BudgetError:
+    """The error of `budget_bytes` where `least`, this fitter's last fit,
+    for the least memory, peaks above it: that peak, and what bounds it."""
+    return _smallest_error(self._greedy.problem, least.timeline, budget_bytes)
+
+  def _start(self) -> "_Greedy":
+    fusion, residuals, state_copies = self._arguments
+    program, liveness = self.program, self.liveness
+    if fusion is None:
+      fusion = analyse_fusion(program, liveness)
+    problem = _Problem(program, liveness, fusion, self.target,
+                       self.min_bytes, residuals, state_copies)
+    problem.host_budget = host_budget = self.host_budget_bytes
+    problem.host_scale = host_scale = self.host_scale
+    baseline = problem.simulate(())
+    if host_budget is not None and baseline.host_peak_bytes > host_budget:
+      on_device = int(baseline.host_peak_bytes * host_scale)
+      error = BudgetError(
+          f"jlms: the state kept on host and the scan residuals streamed "
+          f"through host take {format_bytes(on_device)} of "
+          f"pinned host memory at once, above the host budget of "
+          f"{format_bytes(int(host_budget * host_scale))}: "
+          f"{host_pool_advice(on_device)}")
+      error.smallest_bytes = baseline.peak_bytes
+      error.host_bytes = baseline.host_peak_bytes  # the host is what failed
+      raise error
+    return _Greedy(problem, baseline, problem.step_time(()))
+
+
+class _Greedy:
+  """The greedy fit's choices so far, and what it reckoned to make them:
+  `run` takes the next choice while the predicted peak is over a budget."""
+
+  def __init__(self, problem: _Problem, baseline: MemoryTimeline,
+               baseline_time: StepTime):
+    self.problem = problem
+    self.baseline, self.baseline_time = baseline, baseline_time
+    self.timeline, self.step_time = baseline, baseline_time
+    self.chosen: list[Offload] = []
+    # The least predicted peak of the choices before the last: a fit for a
+    # budget at or above it would have stopped earlier.
+    self.passed_least = float("inf")
+    self.gaps = {v: g for v in problem.candidates()
+                 if (g := problem.gap(v)) is not None}
+    self.transfers: dict = {}
+    self.moved: dict[int, _Option] = {}  # value -> the option chosen for it
+    self.remade_at = _RemadeAt()  # the recomputations among them, by place
+    # value -> the earliest equation at which a chosen recomputation reads
+    # it: moving it is fine if it is back on the device by then.
+    self.needed_by: dict[int, int] = {}
+    # (value, far) -> its recomputation, derived once and again only when a
+    # value its chain reached is moved: a round moves one value, and most
+    # chains never reach it (Gemma2-2B: about 250 chains a round, 300
+    # rounds).
+    self.remakes: dict = {}
+    self.watchers: dict[int, list] = {}  # value -> remakes that read its move
+
+  def run(self, budget: int | None):
+    """(timeline, step time) once the predicted peak is at most `budget`
+    (None: once no choice lowers it); `BudgetError` where it cannot be."""
+    problem = self.problem
+    while budget is None or self.timeline.peak_bytes > budget:
+      timeline = self.timeline
+      peak = timeline.peak_index
+      ranked, freeable = self._options_at(peak)
+      if budget is not None and timeline.peak_bytes - freeable > budget:
+        # However many of the values live there are copied out or remade,
+        # the peak's equation stays over the budget: no further choice can
+        # fit it (seven ways of the 70B Llama's program with a share of
+        # its moments on host fitted to the end, 18 minutes, for this).
+        raise _out_of_reach_error(problem, timeline, budget, freeable)
+      if not ranked:
+        if budget is None:  # as low as it goes
+          break
+        raise _smallest_error(problem, timeline, budget)
+      self._take(self._best(ranked))
+    return self.timeline, self.step_time
+
+  def _options_at(self, peak: int):
+    """The options that free device memory at equation `peak`, and the
+    bytes of every value that some choice could still free there."""
+    problem, ranked, freeable = self.problem, [], 0
+    for value, (near, far) in self.gaps.items():
       # A leaf of a chosen recomputation must be back when that reads it.
-      far = min(far, needed_by.get(value, far))
-      if value in moved or not near < peak < far:
+      far = min(far, self.needed_by.get(value, far))
+      if value in self.moved or not near < peak < far:
         continue
-      if (value, far) not in transfers:
-        transfers[value, far] = problem.transfer(value, near, far)
-      if (value, far) not in remakes:
+      freeable += problem.liveness.nbytes[value]
+      if (value, far) not in self.transfers:
+        self.transfers[value, far] = problem.transfer(value, near, far)
+      if (value, far) not in self.remakes:
         watched: set[int] = set()
-        remakes[value, far] = problem.recompute(value, near, far, moved,
-                                                watched)
+        self.remakes[value, far] = problem.recompute(value, near, far,
+                                                     self.moved, watched)
         for atom in watched:
-          watchers.setdefault(atom, []).append((value, far))
-      remade = remakes[value, far]
-      found = (transfers[value, far], remade,
-               remade and problem.shared_recompute(remade, remade_at))
+          self.watchers.setdefault(atom, []).append((value, far))
+      remade = self.remakes[value, far]
+      found = (self.transfers[value, far], remade,
+               remade and problem.shared_recompute(remade, self.remade_at))
       for option in found:
         if (option is not None
             and option.frees_from <= peak < option.frees_until
-            and _fits_host(problem, timeline, option)):
+            and _fits_host(problem, self.timeline, option)):
           ranked.append(option)
-    if not ranked:
-      if budget is None:  # as low as it goes
-        break
-      raise _smallest_error(problem, timeline, budget)
+    return ranked, freeable
+
+  def _best(self, ranked: list):
+    """The option of `ranked` that adds the least step time per byte, by
+    the schedule model for the best few of each kind (the estimate that
+    ranks them ignores the link's other copies); with its step time."""
     ranked.sort(key=lambda o: (o.estimate_s + 1e-12) / o.nbytes)
-    # The estimate ignores the link's other copies: price the best few of
-    # each kind with the schedule model.
     shortlist = ([o for o in ranked if o.offload.is_recompute][
         :_EXACT_PER_ROUND] + [o for o in ranked if not o.offload.is_recompute][
             :_EXACT_PER_ROUND])
     best, best_score, best_time = None, None, None
     for option in shortlist:
-      trial = problem.step_time(chosen + [option.offload])
-      score = (trial.total_s - step_time.total_s + 1e-12) / option.nbytes
+      trial = self.problem.step_time(self.chosen + [option.offload])
+      score = (trial.total_s - self.step_time.total_s + 1e-12) / option.nbytes
       if best is None or score < best_score:
         best, best_score, best_time = option, score, trial
-    chosen.append(best.offload)
-    moved[best.offload.value] = best
-    for key in watchers.pop(best.offload.value, ()):
-      remakes.pop(key, None)
+    return best, best_time
+
+  def _take(self, best_and_time) -> None:
+    best, best_time = best_and_time
+    problem = self.problem
+    self.passed_least = min(self.passed_least, self.timeline.peak_bytes)
+    self.chosen.append(best.offload)
+    self.moved[best.offload.value] = best
+    for key in self.watchers.pop(best.offload.value, ()):
+      self.remakes.pop(key, None)
     if best.offload.is_recompute:
-      remade_at.add(best.offload.swap_ins[0].issue_before,
-                    problem._kernel_facts(best.offload.recompute))
+      self.remade_at.add(best.offload.swap_ins[0].issue_before,
+                         problem._kernel_facts(best.offload.recompute))
     far = best.offload.swap_ins[0].issue_before
     for leaf in best.leaves:
-      needed_by[leaf] = min(needed_by.get(leaf, far), far)
-    step_time = best_time
-    timeline = problem.simulate(chosen)
-  return timeline, step_time
+      self.needed_by[leaf] = min(self.needed_by.get(leaf, far), far)
+    self.step_time = best_time
+    self.timeline = problem.simulate(self.chosen)
 
 
 class _RemadeAt:
@@ -565,6 +650,26 @@ def _loop_working_memory(problem, timeline) -> str:
           f"{name} (equation {index}) makes and drops inside its body, "
           "as far as jlms remakes it there: fewer rows an iteration lower "
           "that")
+
+
+def _out_of_reach_error(problem, timeline, budget, freeable) -> BudgetError:
+  """The error of a budget that the equation at the predicted peak stays
+  above whatever is chosen: its `smallest_bytes` is that floor, a bound
+  below which no plan of this program goes, not a peak reached
+  (`floor_only`)."""
+  floor = timeline.peak_bytes - freeable
+  name = (problem.program.equations[timeline.peak_index].readable_name()
+          if timeline.peak_index < len(problem.program) else "the step's end")
+  error = BudgetError(
+      f"jlms: the step does not fit a budget of {format_bytes(budget)}: "
+      f"while {name} (equation {timeline.peak_index}) runs, "
+      f"{format_bytes(floor)} stay on the device however many of the "
+      f"values live there are copied to host or remade (arguments and "
+      f"outputs {format_bytes(timeline.fixed_bytes)}); raise the budget "
+      "above that")
+  error.smallest_bytes = floor
+  error.floor_only = True
+  return error
 
 
 def _smallest_error(problem, timeline, budget) -> BudgetError:

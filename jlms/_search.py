@@ -38,7 +38,7 @@ from jlms._collectives import collective_bytes
 from jlms._budget import BudgetError, host_pool_advice, parse_budget
 from jlms._config import SyncMode
 from jlms._cost import time_target
-from jlms._fit import fit
+from jlms._fit import Fitter
 from jlms._latency_profile import (PROFILE_OPTION, latency_profile,
                                    schedule_of, write_profile)
 from jlms._liveness import aval_nbytes
@@ -204,6 +204,9 @@ class SearchRequest:
   # XLA compile of a sharded step: by the compiled program's id, and
   # "plain" for jax.jit's.
   exchanged: dict = dataclasses.field(default_factory=dict)
+  # The `jlms._fit.Fitter` of each placed way of the placement of the
+  # state being searched (`fitter_of`).
+  fitters: dict = dataclasses.field(default_factory=dict)
   # The texts of the programs XLA compiled last, by the rewritten
   # program's id: what a latency profile names (`_with_latency_profile`).
   last_compiled: dict = dataclasses.field(default_factory=dict)
@@ -754,8 +757,10 @@ def _search_budget(request: SearchRequest, plain_peak,
       raise
     # The simulator overstates some peaks (a loop body's working memory
     # most): XLA says whether jlms's least-memory plan fits after all.
-    log.info("jlms: the simulator's smallest peak is %s, above the budget; "
-             "asking XLA", format_bytes(error.smallest_bytes))
+    log.info("jlms: the simulator's smallest peak is %s%s, above the "
+             "budget; asking XLA",
+             "at least " if getattr(error, "floor_only", False) else "",
+             format_bytes(error.smallest_bytes))
     ranked = ranked_fits(request, None)
     fitted = ranked[0]
     searched = fitted[2].timeline.peak_bytes
@@ -810,20 +815,21 @@ def _search_budget(request: SearchRequest, plain_peak,
 
 def _least_within(request: SearchRequest, budget: int, refused: BudgetError):
   """The fastest of the ways' least-memory fits whose predicted peak is
-  at most `budget`; where none is, `refused` naming the least of them."""
+  at most `budget`; where none is, `refused`, or where the least of them
+  is lower than it names (or it names only a floor), an error naming
+  that."""
   least = ranked_fits(request, None)
   within = [f for f in least if f[2].timeline.peak_bytes <= budget]
   if within:
     return min(within, key=lambda f: f[2].step_time.total_s)
-  smallest = min(f[2].timeline.peak_bytes for f in least)
-  if smallest >= refused.smallest_bytes:
+  placed, residuals, lowest = min(least, key=lambda f: f[2].timeline.peak_bytes)
+  if (lowest.timeline.peak_bytes >= refused.smallest_bytes
+      and not getattr(refused, "floor_only", False)):
     raise refused
-  error = BudgetError(
-      f"jlms: the step does not fit a budget of {format_bytes(budget)}: "
-      f"the smallest peak jlms reaches is {format_bytes(smallest)}; raise "
-      "the budget to at least that")
-  error.smallest_bytes = smallest
-  raise error from refused
+  fitter = fitter_of(request, placed, lowest.target,
+                     request.options.min_bytes_for(None),
+                     request.host_budget(), None, residuals)
+  raise fitter.refusal(budget, lowest) from refused
 
 
 def _least_by_xla(request: SearchRequest, config, chosen: _Candidate,
@@ -1081,17 +1087,17 @@ def _ways(request: SearchRequest):
 
 
 def _fit_way(request: SearchRequest, way, budget: int | None, host_budget):
-  """`jlms._fit.fit` of one placed way, priced with its streamed copies
+  """`jlms._fit`'s fit of one placed way, priced with its streamed copies
   hidden where XLA's scheduler has room for the fitted plan's peak
   (`jlms._schedule.scheduler_overlaps`), else with them exposed: fitted
-  again where the first fit's peak leaves it no room."""
+  again where the first fit's peak leaves it no room. A tighter fit of the
+  same way continues from the last one's choices (`fitter_of`)."""
   placed, options = way.placed, request.options
 
   def fitted(time):
-    return fit(placed.program, placed.liveness, budget, time,
-               options.min_bytes_for(budget), placed.fusion, way.residuals,
-               host_budget, state_copies=placed.state_copies,
-               host_scale=request.host_scale)
+    fitter = fitter_of(request, placed, time, options.min_bytes_for(budget),
+                       host_budget, budget, residuals=way.residuals)
+    return fitter.fit(budget)
 
   time = request.time_for(placed.program, None)
   result = fitted(time)
@@ -1100,6 +1106,40 @@ def _fit_way(request: SearchRequest, way, budget: int | None, host_budget):
                                result.timeline.peak_bytes).streams_hide):
     result = fitted(dataclasses.replace(time, streams_hide=False))
   return result
+
+
+def fitter_of(request: SearchRequest, placed, time, min_bytes: int,
+              host_budget, budget: int | None, residuals=()) -> Fitter:
+  """The `jlms._fit.Fitter` of `placed` (a placed way) under the time
+  model `time` and `host_budget` that last fitted it in this search, where
+  a fit for `budget` continues from its choices and its smallest value
+  worth a choice is at most twice `min_bytes` (a budget a few percent
+  tighter asks for a few percent smaller ones: values that small cannot
+  change whether it fits); else a new one, kept for the next fit. The
+  fitters of one placement of the state only: a new placement drops the
+  others'."""
+  fitters = request.fitters
+  if fitters.get("plain") is not request.plain:
+    fitters.clear()
+    fitters["plain"] = request.plain
+  kept = fitters.setdefault(id(placed), [])  # [(placed, fitter)]
+  for held, fitter in kept:
+    if (held is placed and fitter.target == time
+        and fitter.host_budget_bytes == host_budget
+        and fitter.min_bytes <= 2 * min_bytes
+        and fitter.continues_to(budget)):
+      return fitter
+  fitter = Fitter(placed.program, placed.liveness, time, min_bytes,
+                  placed.fusion, residuals, host_budget,
+                  state_copies=placed.state_copies,
+                  host_scale=request.host_scale)
+  # One fitter per time model and host budget: a new one replaces the one
+  # that cannot continue.
+  kept[:] = [(held, f) for held, f in kept
+             if held is placed and not (f.target == time
+                                        and f.host_budget_bytes == host_budget)]
+  kept.append((placed, fitter))
+  return fitter
 
 
 def _quietest_among_the_fastest(fitted: list) -> list:
