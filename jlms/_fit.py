@@ -397,14 +397,23 @@ class _Greedy:
     # The least predicted peak of the choices before the last: a fit for a
     # budget at or above it would have stopped earlier.
     self.passed_least = float("inf")
-    self.gaps = {v: g for v in problem.candidates()
-                 if (g := problem.gap(v)) is not None}
+    gaps = {v: g for v in problem.candidates()
+            if (g := problem.gap(v)) is not None}
+    # The values with a gap, their gaps' ends and whether each is still
+    # unchosen, as arrays. The far end is brought in to the earliest
+    # equation at which a chosen recomputation reads the value: moving it
+    # is fine if it is back on the device by then. As arrays: a round looks at the values live at the peak
+    # alone, a few hundred of the 70B Llama's tens of thousands.
+    self.values = np.fromiter(gaps, dtype=np.int64, count=len(gaps))
+    self.near = np.array([g[0] for g in gaps.values()], dtype=np.int64)
+    self.far = np.array([g[1] for g in gaps.values()], dtype=np.int64)
+    self.unchosen = np.ones(len(gaps), dtype=bool)
+    self.sizes = np.array([problem.liveness.nbytes[v] for v in gaps],
+                          dtype=np.int64)
+    self.position = {v: i for i, v in enumerate(gaps)}
     self.transfers: dict = {}
     self.moved: dict[int, _Option] = {}  # value -> the option chosen for it
     self.remade_at = _RemadeAt()  # the recomputations among them, by place
-    # value -> the earliest equation at which a chosen recomputation reads
-    # it: moving it is fine if it is back on the device by then.
-    self.needed_by: dict[int, int] = {}
     # (value, far) -> its recomputation, derived once and again only when a
     # value its chain reached is moved: a round moves one value, and most
     # chains never reach it (Gemma2-2B: about 250 chains a round, 300
@@ -436,13 +445,13 @@ class _Greedy:
   def _options_at(self, peak: int):
     """The options that free device memory at equation `peak`, and the
     bytes of every value that some choice could still free there."""
-    problem, ranked, freeable = self.problem, [], 0
-    for value, (near, far) in self.gaps.items():
-      # A leaf of a chosen recomputation must be back when that reads it.
-      far = min(far, self.needed_by.get(value, far))
-      if value in self.moved or not near < peak < far:
-        continue
-      freeable += problem.liveness.nbytes[value]
+    problem, ranked = self.problem, []
+    live = np.nonzero(self.unchosen & (self.near < peak)
+                      & (peak < self.far))[0]
+    freeable = int(self.sizes[live].sum())
+    for value, near, far in zip(self.values[live].tolist(),
+                                self.near[live].tolist(),
+                                self.far[live].tolist()):
       if (value, far) not in self.transfers:
         self.transfers[value, far] = problem.transfer(value, near, far)
       if (value, far) not in self.remakes:
@@ -483,6 +492,7 @@ class _Greedy:
     self.passed_least = min(self.passed_least, self.timeline.peak_bytes)
     self.chosen.append(best.offload)
     self.moved[best.offload.value] = best
+    self.unchosen[self.position[best.offload.value]] = False
     for key in self.watchers.pop(best.offload.value, ()):
       self.remakes.pop(key, None)
     if best.offload.is_recompute:
@@ -490,7 +500,9 @@ class _Greedy:
                          problem._kernel_facts(best.offload.recompute))
     far = best.offload.swap_ins[0].issue_before
     for leaf in best.leaves:
-      self.needed_by[leaf] = min(self.needed_by.get(leaf, far), far)
+      if leaf in self.position:
+        at = self.position[leaf]
+        self.far[at] = min(self.far[at], far)
     self.step_time = best_time
     self.timeline = problem.simulate(self.chosen)
 

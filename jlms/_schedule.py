@@ -231,7 +231,7 @@ def predict_step_time(program: Program, liveness: Liveness,
     d2h += copy.to_host
     h2d += copy.to_device
 
-  kernels_before = np.concatenate([[0.0], np.cumsum(kernel_s)])
+  kernels_before = None  # compute before each equation, where needed
 
   def streamed_wait(index: int) -> float:
     """Seconds the loop at `index` runs past its own kernels for the
@@ -242,6 +242,9 @@ def predict_step_time(program: Program, liveness: Liveness,
     d2h_beside, h2d_beside = beside.get(index, (0.0, 0.0))
     waited = after.get(index, 0.0)
     if index in first_fetch or index in last_write:
+      nonlocal kernels_before
+      if kernels_before is None:
+        kernels_before = np.concatenate([[0.0], np.cumsum(kernel_s)])
       waited += max(0.0, first_fetch[index] - kernels_before[index])
       waited += max(0.0, last_write[index] - _kernels_free_to_follow(
           program, liveness, kernel_s, index))
