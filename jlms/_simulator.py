@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import numpy as np
 
@@ -353,7 +354,14 @@ class MemoryTimeline:
   host_bytes: np.ndarray
   fixed_bytes: int
   peak_index: int
-  live_at_peak: tuple[int, ...]  # temporaries at the peak, largest first
+  # Reckons `live_at_peak` when it is first asked for: a fit simulates
+  # thousands of plans and asks it of none.
+  live_at_peak_of: Any = dataclasses.field(repr=False, compare=False)
+
+  @functools.cached_property
+  def live_at_peak(self) -> tuple[int, ...]:
+    """The temporaries at the peak, largest first."""
+    return self.live_at_peak_of()
 
   @property
   def peak_bytes(self) -> int:
@@ -499,6 +507,9 @@ class StepConstants:
   # they took a fifth of each simulation of a 9108-equation step).
   nbytes: np.ndarray
   producer: np.ndarray
+  # id(offload) -> (offload, its device and host memory events): a fit
+  # simulates the same chosen offloads round after round.
+  offload_events: dict = dataclasses.field(default_factory=dict)
 
 
 def step_constants(program: Program, liveness: Liveness,
@@ -570,26 +581,35 @@ def simulate(program: Program, liveness: Liveness,
 
   device = np.zeros(n + 2, dtype=np.int64)
   host = np.zeros(n + 2, dtype=np.int64)
-  for value in offload_of:
-    temporary[value] = False
+  if offload_of:
+    temporary[list(offload_of)] = False
   values = np.nonzero(temporary)[0]
   np.add.at(device, start[values], nbytes[values])
   np.add.at(device, stop[values] + 1, -nbytes[values])
 
   executes_at = fusion.executes_at
+  # (Where the operands are fixed: an iteration's simulation moves its
+  # values' starts.)
+  memo = (constants.offload_events
+          if constants is not None and operands_fixed else None)
+  is_output = set(outputs)
+  device_at, device_by, host_at, host_by = [], [], [], []
   for value, offload in offload_of.items():
-    size = liveness.nbytes[value]
-    if not size:
-      continue
-    if value not in outputs:  # outputs are in `fixed` already
-      device[start[value]] += size
-      device[_swapped_out_at(value, offload, liveness, executes_at) + 1] -= size
-      for swap_in in offload.swap_ins:
-        device[swap_in.issue_before] += size
-        device[_swap_in_end(swap_in, executes_at) + 1] -= size
-    if not offload.is_recompute:
-      host[offload.swap_out_after] += size
-      host[offload.swap_ins[-1].issue_before + 1] -= size
+    events = None if memo is None else memo.get(id(offload))
+    if events is None or events[0] is not offload:
+      events = (offload, *_offload_events(
+          value, offload, int(start[value]), value in is_output, liveness,
+          executes_at))
+      if memo is not None:
+        memo[id(offload)] = events
+    device_at += events[1]
+    device_by += events[2]
+    host_at += events[3]
+    host_by += events[4]
+  if device_at:
+    np.add.at(device, device_at, device_by)
+  if host_at:
+    np.add.at(host, host_at, host_by)
 
   reused = (_host_buffers_reused(program, liveness) if constants is None
             else constants.reused)
@@ -616,9 +636,35 @@ def simulate(program: Program, liveness: Liveness,
                        else working)
   host_bytes = np.cumsum(host)[: n + 1]
   peak_index = int(np.argmax(device_bytes))
-  return MemoryTimeline(device_bytes, host_bytes, fixed, peak_index,
-                        _live_at(peak_index, values, start, stop, nbytes,
-                                 offload_of, executes_at, liveness))
+  return MemoryTimeline(
+      device_bytes, host_bytes, fixed, peak_index,
+      functools.partial(_live_at, peak_index, values, start, stop, nbytes,
+                        offload_of, executes_at, liveness))
+
+
+def _offload_events(value, offload, start, is_output, liveness, executes_at):
+  """(device indices, their byte changes, host indices, theirs) of one
+  offload of `value`, made at `start`: its device buffer until its copy
+  out (or its recomputation's chain) is done and again from each swap-in
+  to its last read, but for a step output (counted whole already); its
+  host copy from the copy out to its last swap-in."""
+  size = liveness.nbytes[value]
+  device_at, device_by, host_at, host_by = [], [], [], []
+  if not size:
+    return device_at, device_by, host_at, host_by
+  if not is_output:
+    device_at += [start, _swapped_out_at(value, offload, liveness,
+                                         executes_at) + 1]
+    device_by += [size, -size]
+    for swap_in in offload.swap_ins:
+      device_at += [swap_in.issue_before,
+                    _swap_in_end(swap_in, executes_at) + 1]
+      device_by += [size, -size]
+  if not offload.is_recompute:
+    host_at += [offload.swap_out_after,
+                offload.swap_ins[-1].issue_before + 1]
+    host_by += [size, -size]
+  return device_at, device_by, host_at, host_by
 
 
 def _host_buffers_reused(program: Program, liveness: Liveness
