@@ -809,7 +809,8 @@ def _search_budget(request: SearchRequest, plain_peak,
           f"program's ({format_bytes(plain_peak)})")
   if budget is not None:
     chosen = _confirmed(request, config, chosen, searched, plain_peak,
-                        simulator_refused, others)
+                        simulator_refused, others,
+                        last_placement=ask_xla_when_refused)
   return _planned(request, config, _with_latency_profile(request, chosen))
 
 
@@ -853,7 +854,8 @@ def _least_by_xla(request: SearchRequest, config, chosen: _Candidate,
 
 
 def _confirmed(request: SearchRequest, config, chosen: _Candidate, searched,
-               plain_peak, simulator_refused, others=()) -> _Candidate:
+               plain_peak, simulator_refused, others=(),
+               last_placement: bool = True) -> _Candidate:
   """`chosen`, or while XLA's peak of it does not fit the budget, the
   next fastest of `others` (fits of other ways for the same budget), then
   a plan fitted again for less (at most `CONFIRMATIONS` compiles, then
@@ -862,7 +864,16 @@ def _confirmed(request: SearchRequest, config, chosen: _Candidate, searched,
   simulator's error differs most between ways (Llama-3.2-3B at per-block
   remat's 52.51 GiB: its values remade one by one, 50.93 GiB predicted
   and 57.59 by XLA; its blocks remade, within a GiB), and a tighter fit of
-  the first way costs what its error costs again."""
+  the first way costs what its error costs again. Where the simulator
+  finds no plan for the tighter fit and a placement of the state with
+  more of it on host follows (not `last_placement`), `BudgetError` says
+  so and the search goes on to it, as it does where the simulator refuses
+  the budget itself: the least-memory plans would have to come out of XLA
+  further below the simulator than the plans it has compiled, and their
+  fits take longest (the 70B Llama of `transformers` with 318 state leaves
+  on host: XLA put two plans for 591 GiB of the simulator's, whole-step,
+  17% above it, no way fitted 11% less, and the least-memory fits of the
+  first three ways took 32 minutes to reach 590 to 595 GiB)."""
   budget, target = request.budget, request.target
   host_inputs = request.plain.state.inputs
   smallest = chosen.measured
@@ -915,7 +926,15 @@ def _confirmed(request: SearchRequest, config, chosen: _Candidate, searched,
       tighter = -1  # this is the tighter fit
       try:
         fitted, *others = _near(ranked_fits(request, searched))
-      except BudgetError:
+      except BudgetError as refused:
+        if not last_placement:
+          error = BudgetError(
+              f"jlms: XLA's peak on {target} of the plans fitted for this "
+              f"placement of the state is at least {format_bytes(smallest)}, "
+              f"over the budget of {format_bytes(budget)}, and the "
+              "simulator finds no plan for a budget tighter by as much")
+          error.smallest_bytes = smallest
+          raise error from refused
         simulator_refused = True  # no smaller plan of this kind: say so
         continue
     chosen = _rewritten(request, config, fitted)
