@@ -146,15 +146,17 @@ def rewrite_with_and_without_copies(*args, **kwargs):
 
 
 def rewrite_program(program, liveness, offloads, config, debug_info,
-                    fusion=None):
-  """The rewritten closed jaxpr of `program` with `offloads`, and a
-  function that makes it again with the copies left out."""
+                    fusion=None, shardings=None):
+  """The rewritten closed jaxpr of `program` with `offloads` (copied over
+  the link in `shardings`, see `jlms._rewrite.rewrite`), and a function
+  that makes it again with the copies left out."""
   if fusion is None:
     fusion = analyse_fusion(program, liveness,
                             frozenset(o.value for o in offloads))
   return rewrite_with_and_without_copies(
       program, offloads, config, debug_info, fusion=fusion,
-      serialized=serialized(program, liveness, config, fusion))
+      serialized=serialized(program, liveness, config, fusion),
+      shardings=shardings)
 
 
 def predict_times(target, plain, planned=None, offloads=(), sync_mode=None,
@@ -275,9 +277,12 @@ def xla_peak(jit_params, rewritten, abstract, target, donated=(),
 
 
 def knobs_applied(plain, baseline, jit_params, debug_info, out_trees,
-                  config: OffloadConfig, target) -> PlannedStep:
+                  config: OffloadConfig, target,
+                  link_shardings=None) -> PlannedStep:
   """TFLMS's rules with the expert's knobs, exactly: scan residuals
-  streamed, then every value far enough from its next read offloaded."""
+  streamed, then every value far enough from its next read offloaded;
+  `link_shardings(program, offloads)` gives the shardings the copies
+  cross the link in."""
   plain_program, plain_liveness = plain.program, plain.liveness
   residuals = ()
   if config.scan_residuals:
@@ -289,7 +294,8 @@ def knobs_applied(plain, baseline, jit_params, debug_info, out_trees,
   forced = analyse_fusion(program, liveness,
                           frozenset(o.value for o in offloads))
   rewritten, without_copies = rewrite_program(
-      program, liveness, offloads, config, debug_info, forced)
+      program, liveness, offloads, config, debug_info, forced,
+      shardings=link_shardings and link_shardings(program, offloads))
   timeline = simulate(program, liveness, offloads, forced)
   plan = build_plan(
       program, liveness, offloads, config, baseline, timeline,

@@ -315,6 +315,24 @@ def device_put_equation(invar, outvar, to_host: bool, anchor_eqn,
   return _copy_equation(template, [invar], [outvar], anchor_eqn, scope)
 
 
+def sharding_constraint_equation(invar, outvar, sharding, anchor_eqn,
+                                 scope: str):
+  """A `with_sharding_constraint` of `invar` to `sharding` (its aval's
+  shape must divide by it), under the name stack `scope` alone."""
+  template = _constraint_template(tuple(invar.aval.shape), invar.aval.dtype,
+                                  sharding)
+  return _copy_equation(template, [invar], [outvar], anchor_eqn, scope)
+
+
+@functools.lru_cache(maxsize=256)
+def _constraint_template(shape, dtype, sharding):
+  # Traced at the value's own shape: the constraint's params are the
+  # sharding's, which JAX checks against the shape.
+  x = jax.ShapeDtypeStruct(shape, dtype)
+  return jax.make_jaxpr(
+      lambda v: jax.lax.with_sharding_constraint(v, sharding))(x).jaxpr.eqns[0]
+
+
 def barrier_equation(invars, outvars, anchor_eqn, scope: str):
   """An `optimization_barrier` whose outputs are its inputs, under the name
   stack `scope` alone."""

@@ -161,7 +161,7 @@ class StepPlanner:
     if self.options.budget is KNOBS:
       analysis = knobs_applied(plain, request.baseline, jit_params,
                                debug_info, out_trees, self.options.config,
-                               request.time)
+                               request.time, request.link_shardings)
     else:
       analysis = fit_budget(request)
     analysis = dataclasses.replace(analysis, plain=plain)

@@ -73,8 +73,13 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
             config: OffloadConfig, debug_info=None, transfers: bool = True,
             fusion=None, serialized: frozenset = frozenset(),
             pin_contractions: bool = False, pin_updates: bool = False,
-            pin_before: tuple[int, ...] = ()):
+            pin_before: tuple[int, ...] = (), shardings=None):
   """The closed jaxpr of `program` with `offloads` applied.
+
+  `shardings` maps a copied value to the sharding it crosses the link in
+  (`jlms._sharding.link_shardings`): it is constrained to it before its
+  copy to host and after its copy back, so that each device copies its
+  own shard of it, not a whole array XLA's partitioner chose to hold.
 
   `fusion` (from `jlms._simulator.analyse_fusion`, with the offloaded values
   forced to buffers) tells which equations XLA runs in place and which
@@ -229,6 +234,17 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
     for value in values:
       env[value] = local[value]
 
+  def constrained(value: int, var, anchor, name):
+    """`var` (a copy of `value`) in the sharding `value` crosses the link
+    in, where `shardings` names one."""
+    sharding = (shardings or {}).get(value)
+    if sharding is None:
+      return var
+    out = _compat.new_var(var.aval)
+    eqns.append(_compat.sharding_constraint_equation(var, out, sharding,
+                                                     anchor, name))
+    return out
+
   def live(ids):
     # Ids whose current var may be read again: not stale device copies of
     # swapped-out values (reading one would keep it alive).
@@ -280,6 +296,8 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
           on_device = _compat.new_var(program.avals[value])
           eqns.append(_compat.device_put_equation(
               on_host, on_device, False, anchor, scope("swap_in", value)))
+          on_device = constrained(value, on_device, anchor,
+                                  scope("swap_in", value))
         env[value] = on_device
       if sync_in and equation is not None:
         tied = tie_to_inputs([env[v] for v in incoming], equation.inputs,
@@ -350,6 +368,8 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
     for value in swap_out_after.get(index, ()):
       on_device = on_host = env[value]
       if transfers:
+        on_device = constrained(value, on_device, equation.eqn,
+                                scope("swap_out", value))
         on_host = _compat.new_var(_compat.memory_space_aval(
             on_device.aval, jax.memory.Space.Host))
         eqns.append(_compat.device_put_equation(

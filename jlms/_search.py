@@ -49,7 +49,7 @@ from jlms._schedule import (per_device, scheduler_overlaps,
                             scheduler_slop_factor)
 from jlms._segment_remat import remaking_barriers
 from jlms._sharding import (abstract_arguments, argument_device_bytes,
-                            device_count, unseen_split)
+                            device_count, link_shardings, unseen_split)
 from jlms._state import (FITTED_COMPILER_OPTIONS, HostState, host_state,
                          largest_updates_first, state_pairs)
 from jlms._tradeoff import Tradeoff, TradeoffPoint
@@ -249,6 +249,18 @@ class SearchRequest:
   def host_budget(self) -> int:
     """`host_pool` in the step's jaxpr sizes."""
     return int(self.host_pool() / self.host_scale)
+
+  def link_shardings(self, program, offloads) -> dict:
+    """The shardings `program`'s values copied to host by `offloads` cross
+    the link in where the arguments' splits are unseen
+    (`jlms._sharding.link_shardings`); none otherwise."""
+    if self.split <= 1:
+      return {}
+    avals = self.avals or tuple(self.plain.program.avals[v]
+                                for v in self.plain.program.invars)
+    copied = {o.value: program.avals[o.value] for o in offloads
+              if not o.is_recompute}
+    return link_shardings(copied, avals, self.leaves)
 
   def time_for(self, program, peak_bytes):
     """The time model for `program` peaking at `peak_bytes` (None: its
@@ -623,7 +635,8 @@ def _rewritten(request: SearchRequest, config, fitted) -> _Candidate:
       # per-block segments: 16.07 GiB by XLA where 7.63 were simulated).
       pin_before=remaking_barriers(placed.program),
       serialized=serialized(placed.program, placed.liveness, config,
-                            placed.fusion))
+                            placed.fusion),
+      shardings=request.link_shardings(placed.program, result.offloads))
   candidate = _Candidate(placed, residuals, result, rewritten,
                          without_copies)
   candidate.compiler_options = request.compiler_options(candidate)

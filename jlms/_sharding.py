@@ -19,6 +19,10 @@ Guarantees:
 - `device_share(aval)` is the share of a value one device holds (1 unless
   its aval carries an explicit sharding), which the time model prices a
   contraction by; `device_count(leaves)` the devices the arguments span.
+- `link_shardings(values, avals, leaves)` gives, under Auto mesh axes, a
+  split sharding for each value copied to host that has one like an
+  argument's (below), so that every device copies its own shard; values
+  with none are left out (XLA chooses, as before).
 - `abstract_arguments(avals, leaves)` gives `ShapeDtypeStruct`s that keep
   each argument's sharding, so that XLA compiles (and measures) the program
   as it runs, per device.
@@ -111,6 +115,75 @@ def argument_device_bytes(nbytes: int, aval, leaf) -> int:
   if shape is None or sharding is None or device_shape(aval) != tuple(shape):
     return nbytes
   return nbytes // _split(sharding, tuple(shape))
+
+
+def link_shardings(values: dict, avals, leaves) -> dict:
+  """For `values` (id -> aval) of a step whose arguments (`avals`,
+  `leaves`) are split in ways their avals do not show: id -> the
+  NamedSharding each is copied over the link in. XLA's partitioner
+  chooses the intermediate values' shardings after jlms has planned, and
+  where nothing downstream asks for a split it may hold a value whole on
+  every device: on a 16-layer Llama at 70B's widths over eight H100s
+  (FSDP, Auto axes) it all-reduced four weight gradients that jlms
+  copied to host, and each device copied the whole 448 MiB of each, where
+  jlms had planned its 56 MiB shard. So a value is given:
+  - the sharding of a split argument of its shape (a parameter's
+    gradient or moment is split like the parameter, as FSDP and ZeRO
+    split them);
+  - else the split of a split argument's dimension that it shares, at the
+    same position and of the same size (an activation split along the
+    batch like the batch), the later arguments first (a step's batch
+    comes after its state);
+  - else nothing."""
+  split = []
+  for aval, leaf in zip(avals, leaves):
+    shape = getattr(aval, "shape", None)
+    sharding = _concrete_sharding(leaf)
+    if (shape is None or not isinstance(sharding, jax.sharding.NamedSharding)
+        or device_shape(aval) != tuple(shape)
+        or _split(sharding, tuple(shape)) <= 1):
+      continue
+    split.append((tuple(shape), sharding))
+  if not split:
+    return {}
+  by_shape = {}
+  for shape, sharding in split:
+    by_shape.setdefault(shape, sharding)
+  chosen = {}
+  for value, aval in values.items():
+    shape = tuple(getattr(aval, "shape", ()))
+    sharding = by_shape.get(shape) or _shared_dimension_split(shape, split)
+    if sharding is not None:
+      chosen[value] = sharding
+  return chosen
+
+
+def _shared_dimension_split(shape, split) -> jax.sharding.NamedSharding | None:
+  """A sharding of an array of `shape` split as one of the `split`
+  arguments (shape, sharding) splits a dimension of the same position
+  and size, the last argument first; None where none shares one."""
+  for arg_shape, sharding in reversed(split):
+    spec = tuple(sharding.spec)
+    for dim, axes in enumerate(spec):
+      if (axes is None or dim >= len(shape) or dim >= len(arg_shape)
+          or shape[dim] != arg_shape[dim]):
+        continue
+      entries = [None] * len(shape)
+      entries[dim] = axes
+      candidate = jax.sharding.NamedSharding(
+          sharding.mesh, jax.sharding.PartitionSpec(*entries))
+      if _split(candidate, shape) > 1 and _divides(candidate, shape):
+        return candidate
+  return None
+
+
+def _divides(sharding, shape) -> bool:
+  """Whether `sharding` splits `shape` evenly."""
+  try:
+    shard = sharding.shard_shape(shape)
+  except (ValueError, TypeError):
+    return False
+  return math.prod(shard) * _split(sharding, shape) == math.prod(shape)
 
 
 def abstract_arguments(avals, leaves) -> list:

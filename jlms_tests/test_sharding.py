@@ -14,6 +14,7 @@ import sys
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
@@ -21,7 +22,13 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 import jlms
 from benchmarks import models
 from benchmarks.sharded import mesh_of, shard_step_args
-from jlms._sharding import abstract_arguments, device_shape, unseen_split
+from jlms import _compat
+from jlms._liveness import analyse
+from jlms._planner import Offload, SwapIn
+from jlms._program import flatten
+from jlms._rewrite import rewrite
+from jlms._sharding import (abstract_arguments, device_shape, link_shardings,
+                            unseen_split)
 from jlms._units import format_bytes
 from jlms_tests.conftest import F32_TOLERANCE, TFLMS_KNOBS, max_relative_error
 
@@ -186,6 +193,69 @@ def test_only_auto_axes_hide_the_split():
   assert unseen_split(auto_avals, [None] * len(auto)) == 1
   structs = abstract_arguments(auto_avals, auto)
   assert [s.sharding for s in structs] == [x.sharding for x in auto]
+
+
+def _fsdp_pair(mesh):
+  """A weight split along its columns and a batch along its rows, Auto
+  axes, as FSDP places them."""
+  axis = mesh.axis_names[0]
+  weight = jax.ShapeDtypeStruct((1024, 2048), np.float32,
+                                sharding=NamedSharding(mesh, PartitionSpec(None, axis)))
+  batch = jax.ShapeDtypeStruct((16384, 1024), np.float32,
+                               sharding=NamedSharding(mesh, PartitionSpec(axis)))
+  return weight, batch
+
+
+def test_a_copied_value_is_split_like_an_argument_it_resembles():
+  mesh = mesh_of(jlms.target_devices("h100", "1x1x8"), AxisType.Auto)
+  weight, batch = _fsdp_pair(mesh)
+  avals = _traced_avals([weight, batch])
+  shapes = {0: jax.ShapeDtypeStruct((1024, 2048), np.float32),  # a gradient
+            1: jax.ShapeDtypeStruct((16384, 4096), np.float32),  # activation
+            2: jax.ShapeDtypeStruct((3, 5), np.float32)}  # like neither
+  chosen = link_shardings(shapes, avals, [weight, batch])
+  assert chosen[0].spec == weight.sharding.spec
+  assert chosen[1].spec == PartitionSpec(mesh.axis_names[0], None)
+  assert 2 not in chosen
+  # Where the avals show the split (explicit axes), jlms's sizes are
+  # already one device's and the types carry the shardings.
+  explicit = _fsdp_pair(mesh_of(jlms.target_devices("h100", "1x1x8")))
+  assert link_shardings(shapes, _traced_avals(explicit), explicit) == {}
+
+
+def test_a_weight_gradient_copied_to_host_crosses_the_link_in_its_shard():
+  # A weight gradient (a contraction over the split batch) read after its
+  # copy back by a sum alone: with nothing downstream asking for a split,
+  # XLA's partitioner all-reduces it and every device copied the whole
+  # 8 MiB; constrained like the weight, each copies its 1 MiB.
+  mesh = mesh_of(jlms.target_devices("h100", "1x1x8"), AxisType.Auto)
+  weight, batch = _fsdp_pair(mesh)
+
+  def step(w, x):
+    h = jnp.tanh(x @ w)
+    gradient = x.T @ h
+    z = jnp.tanh(h) @ w.T
+    return w, jnp.sum(z) + jnp.sum(gradient * gradient)
+
+  program = flatten(jax.make_jaxpr(step)(weight, batch))
+  liveness = analyse(program)
+  made_at = [i for i, e in enumerate(program.equations)
+             if e.primitive.name == "dot_general"][1]
+  gradient = program.equations[made_at].outputs[0]
+  reader = liveness.uses[gradient][-1]
+  offloads = (Offload(gradient, made_at, (SwapIn(reader, (reader,)),)),)
+  avals = [program.avals[v] for v in program.invars]
+  shardings = link_shardings({gradient: program.avals[gradient]}, avals,
+                             [weight, batch])
+  host_bytes = []
+  for given in ({}, shardings):
+    rewritten = rewrite(program, offloads, jlms.OffloadConfig(),
+                        shardings=given)
+    run = jax.jit(lambda *a, r=rewritten: _compat.eval_jaxpr(
+        r.jaxpr, r.consts, *a))
+    host_bytes.append(jlms.xla_memory(run, weight, batch,
+                                      target="h100").host_temp_bytes)
+  assert host_bytes == [8 * MIB, MIB]
 
 
 def test_xla_memory_finds_the_topology_of_the_shardings():
