@@ -388,7 +388,8 @@ def _postponable_contractions(program: Program, barriers,
   """The matmuls and convolutions that XLA's scheduler may run after the
   next swap-in or recomputation: those whose outputs are first needed at
   or after it (a weight gradient, read by the optimizer's update,
-  perhaps through a transpose); with `updates`, also the equations of the
+  perhaps through a transpose), and the reductions only the step's
+  outputs need (its loss); with `updates`, also the equations of the
   update that write the step's outputs (`jlms._update_order`), which XLA
   would otherwise leave to the end of the step, each holding a gradient.
   A contraction read sooner (a forward or input-gradient one, whose
@@ -419,17 +420,32 @@ def _postponable_contractions(program: Program, barriers,
         else:
           first = min(first, reader)
       needed[out] = first
+  # for_outputs[v]: only the step's outputs need `v`, through whatever
+  # reads it (a loss's sum, divided by the token count).
+  for_outputs: dict[int, bool] = {}
+  for index in range(n - 1, -1, -1):
+    for out in program.equations[index].outputs:
+      for_outputs[out] = all(
+          for_outputs.get(o, True)
+          for reader in readers.get(out, ())
+          for o in program.equations[reader].outputs)
   postponable = set()
   for index, equation in enumerate(program.equations):
     # (Not the loss: a scalar holds nothing worth a barrier.)
     writes_output = updates and index in tail and any(
         o in outputs and program.avals[o].shape for o in equation.outputs)
-    if not _rules.flops(equation.eqn) and not writes_output:
+    # A reduction only the step's outputs need (the loss): XLA runs it
+    # last, holding what it reads (the logits, 1 GiB a device for a
+    # Llama's 128256-word vocabulary) through the whole backward pass.
+    loss_like = _rules.rule(equation.primitive).reduces and all(
+        for_outputs[out] for out in equation.outputs)
+    if not (_rules.flops(equation.eqn) or writes_output or loss_like):
       continue
     following = bisect.bisect_right(barriers, index)
     if following == len(barriers):
       continue  # no barrier after it to run before
-    if all(needed[out] >= barriers[following] for out in equation.outputs):
+    if loss_like or all(needed[out] >= barriers[following]
+                        for out in equation.outputs):
       postponable.add(index)
   return frozenset(postponable)
 

@@ -88,6 +88,11 @@ class PrimitiveRule:
   inlined_call: bool = False
   #: A loop that runs a body of its own many times (scan, while).
   loop: bool = False
+  #: Reduces its operand over some axes (a sum, a max). XLA's scheduler
+  #: runs one that only the step's outputs need (the loss returned beside
+  #: its gradients) at the end of the step, and holds what it reads until
+  #: then (`jlms._rewrite._postponable_contractions`).
+  reduces: bool = False
   #: How its equation runs chunk by chunk along one axis of its values
   #: (`jlms._split_rules`); None where it cannot (`jlms._batch_split`).
   splits: Callable | None = None
@@ -140,7 +145,7 @@ def _table() -> types.MappingProxyType:
   add(_RELAYOUT, fuses_into_readers=True, takes_fused_operands=True,
       relayout_only=True)
   add(_COSTLY, computed_once=True)
-  add(_REDUCTIONS, takes_fused_operands=True)
+  add(_REDUCTIONS, takes_fused_operands=True, reduces=True)
   add(_ROW_REDUCTIONS, fuses_as_row=True)
   # A cotangent sum is an add to XLA: it computes its elementwise operands
   # inline (in the scanned bf16 GPT's backward loop, the softmax gradient's
