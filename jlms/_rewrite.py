@@ -78,8 +78,8 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
 
   `shardings` maps a copied value to the sharding it crosses the link in
   (`jlms._sharding.link_shardings`): it is constrained to it before its
-  copy to host and after its copy back, so that each device copies its
-  own shard of it, not a whole array XLA's partitioner chose to hold.
+  copy to host, so that each device copies its own shard of it, not a
+  whole array XLA's partitioner chose to hold (and comes back so).
 
   `fusion` (from `jlms._simulator.analyse_fusion`, with the offloaded values
   forced to buffers) tells which equations XLA runs in place and which
@@ -296,8 +296,6 @@ def rewrite(program: Program, offloads: tuple[Offload, ...],
           on_device = _compat.new_var(program.avals[value])
           eqns.append(_compat.device_put_equation(
               on_host, on_device, False, anchor, scope("swap_in", value)))
-          on_device = constrained(value, on_device, anchor,
-                                  scope("swap_in", value))
         env[value] = on_device
       if sync_in and equation is not None:
         tied = tie_to_inputs([env[v] for v in incoming], equation.inputs,

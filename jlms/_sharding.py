@@ -134,14 +134,21 @@ def link_shardings(values: dict, avals, leaves) -> dict:
     same position and of the same size (an activation split along the
     batch like the batch), the later arguments first (a step's batch
     comes after its state);
-  - else nothing."""
-  split = []
+  - else nothing.
+  A value of the shape of an argument that is not split (a replicated
+  parameter, under data parallelism) gets nothing: it may be that
+  argument's gradient or its update, which XLA holds whole like it, and a
+  split would leave the step's outputs split where jax.jit's are not."""
+  split, whole = [], set()
   for aval, leaf in zip(avals, leaves):
     shape = getattr(aval, "shape", None)
+    if shape is None:
+      continue
     sharding = _concrete_sharding(leaf)
-    if (shape is None or not isinstance(sharding, jax.sharding.NamedSharding)
+    if (not isinstance(sharding, jax.sharding.NamedSharding)
         or device_shape(aval) != tuple(shape)
         or _split(sharding, tuple(shape)) <= 1):
+      whole.add(tuple(shape))
       continue
     split.append((tuple(shape), sharding))
   if not split:
@@ -152,6 +159,8 @@ def link_shardings(values: dict, avals, leaves) -> dict:
   chosen = {}
   for value, aval in values.items():
     shape = tuple(getattr(aval, "shape", ()))
+    if shape in whole:
+      continue
     sharding = by_shape.get(shape) or _shared_dimension_split(shape, split)
     if sharding is not None:
       chosen[value] = sharding

@@ -217,6 +217,12 @@ def test_a_copied_value_is_split_like_an_argument_it_resembles():
   assert chosen[0].spec == weight.sharding.spec
   assert chosen[1].spec == PartitionSpec(mesh.axis_names[0], None)
   assert 2 not in chosen
+  # A value of a replicated argument's shape may be its gradient or its
+  # update, which jax.jit's program keeps whole: left to XLA.
+  replicated = jax.ShapeDtypeStruct((16384, 4096), np.float32,
+                                    sharding=NamedSharding(mesh, PartitionSpec()))
+  leaves = [weight, batch, replicated]
+  assert set(link_shardings(shapes, _traced_avals(leaves), leaves)) == {0}
   # Where the avals show the split (explicit axes), jlms's sizes are
   # already one device's and the types carry the shardings.
   explicit = _fsdp_pair(mesh_of(jlms.target_devices("h100", "1x1x8")))
