@@ -57,6 +57,9 @@ class AnalysedProgram:
   # The runs of equations that run in chunks over the batch
   # (`jlms._batch_split`), described.
   split_runs: tuple = ()
+  # Per input position, how the argument's sharding cuts its leading axis
+  # (`jlms._sharding.leading_split`, None: not cut); empty: none is.
+  leading_splits: tuple = ()
 
   @classmethod
   def of(cls, program: Program) -> "AnalysedProgram":

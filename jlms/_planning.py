@@ -35,6 +35,7 @@ from jlms._liveness import aval_nbytes
 from jlms._program import flatten
 from jlms._progress import Progress
 from jlms._replan import PlanCounter
+from jlms._sharding import leading_split
 from jlms._options import DEVICE, KNOBS, MINIMUM, SearchOptions
 from jlms._search import NOT_FALLEN_BACK_FROM, SearchRequest, fit_budget
 from jlms._variants import WayCache
@@ -154,7 +155,10 @@ class StepPlanner:
     plain = dataclasses.replace(
         AnalysedProgram.of(program),
         traced=_compat.call_body_closed(closed.jaxpr.eqns[0]),
-        argument_names=_argument_names(program, treedef, leaves))
+        argument_names=_argument_names(program, treedef, leaves),
+        leading_splits=tuple(
+            leading_split(program.avals[value], leaf)
+            for value, leaf in zip(program.invars, leaves)))
     request = self.search_request(plain, jit_params, debug_info, leaves,
                                    out_trees, donated, arrived_on_host,
                                    progress)

@@ -23,6 +23,10 @@ Guarantees:
   split sharding for each value copied to host that has one like an
   argument's (below), so that every device copies its own shard; values
   with none are left out (XLA chooses, as before).
+- `leading_split(aval, leaf)` says how many shards an argument's sharding
+  cuts its leading axis into, and how to keep them apart in a view of
+  the argument as (shards, rows of a shard, ...); None where it is not
+  cut.
 - `abstract_arguments(avals, leaves)` gives `ShapeDtypeStruct`s that keep
   each argument's sharding, so that XLA compiles (and measures) the program
   as it runs, per device.
@@ -30,6 +34,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -115,6 +120,43 @@ def argument_device_bytes(nbytes: int, aval, leaf) -> int:
   if shape is None or sharding is None or device_shape(aval) != tuple(shape):
     return nbytes
   return nbytes // _split(sharding, tuple(shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class LeadingSplit:
+  """How an argument's sharding cuts its leading axis: into `shards`, and
+  under Auto mesh axes (where the jaxpr does not show the cut) the
+  sharding of its view as (shards, rows of a shard, ...) that keeps each
+  shard on its device; None under explicit axes, whose types carry it."""
+  shards: int
+  view: jax.sharding.NamedSharding | None = None
+
+
+def leading_split(aval, leaf) -> LeadingSplit | None:
+  """How the sharding of an argument (`aval`, `leaf`) cuts its leading
+  axis (the aval's where it shows one, else the placed leaf's); None
+  where it is not cut, or is cut unevenly."""
+  shape = tuple(getattr(aval, "shape", ()))
+  if not shape or shape[0] == 0:
+    return None
+  shown = device_shape(aval)
+  if shown != shape:
+    if shown[0] < shape[0] and shape[0] % shown[0] == 0:
+      return LeadingSplit(shape[0] // shown[0])
+    return None
+  sharding = _concrete_sharding(leaf)
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return None
+  try:
+    rows = sharding.shard_shape(shape)[0]
+  except (ValueError, TypeError):
+    return None
+  if not rows or rows == shape[0] or shape[0] % rows:
+    return None
+  axes = tuple(sharding.spec)[0]
+  view = jax.sharding.NamedSharding(
+      sharding.mesh, jax.sharding.PartitionSpec(axes, *[None] * len(shape)))
+  return LeadingSplit(shape[0] // rows, view)
 
 
 def link_shardings(values: dict, avals, leaves) -> dict:

@@ -196,13 +196,18 @@ def state_scan_reads(program: Program, liveness: Liveness, state: HostState,
 
 def keep_state_on_host(program: Program, state: HostState,
                        residuals: Sequence[ScanResidual] = (),
-                       names: dict[int, str] | None = None
+                       names: dict[int, str] | None = None,
+                       leading_splits: Sequence = ()
                        ) -> tuple[Program, tuple[StateCopy, ...],
                                   tuple[ScanResidual, ...]]:
   """`program` with its `state` on host (see the module docstring), and
   its scan `residuals` streamed through host as `offload_scan_residuals`
-  streams them. Returns the program, the `StateCopy`s, and the streamed
-  residuals and state reads, indexed in the returned program."""
+  streams them. `leading_splits` (per input position) says how each
+  argument's leading axis is cut over devices
+  (`jlms._sharding.leading_split`); an update loop takes its rows within
+  each shard (`jlms._update_loops`). Returns
+  the program, the `StateCopy`s, and the streamed residuals and state
+  reads, indexed in the returned program."""
   liveness = analyse(program)
   reads = state_scan_reads(program, liveness, state, names)
   streamed = tuple(residuals) + reads
@@ -215,7 +220,8 @@ def keep_state_on_host(program: Program, state: HostState,
   program = dataclasses.replace(program, avals=tuple(avals))
   program, call_reads = _calls_reading_from_host(program, state, names or {})
   streamed += call_reads
-  program, copies, index_of = _stream_state(program, state, names or {})
+  program, copies, index_of = _stream_state(program, state, names or {},
+                                            leading_splits)
   streamed = tuple(dataclasses.replace(
       r, producer=None if r.producer is None else index_of[r.producer],
       readers=tuple(index_of[i] for i in r.readers)) for r in streamed)
@@ -300,7 +306,8 @@ def _reading_from_host(eqn, positions: set[int], labels: dict[int, str]):
                                 invars=invars)
 
 
-def _stream_state(program: Program, state: HostState, names: dict[int, str]
+def _stream_state(program: Program, state: HostState, names: dict[int, str],
+                  leading_splits: Sequence = ()
                   ) -> tuple[Program, tuple[StateCopy, ...], list[int]]:
   """The update loops, whole copies and output copies of
   `keep_state_on_host`, on a program whose state inputs are host values;
@@ -327,6 +334,8 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
       return program.equations[maker].readable_name()
     return f"state {program.invars.index(value)}"
 
+  split_of = {program.invars[p]: split
+              for p, split in enumerate(leading_splits) if split is not None}
   updated = {program.invars[i]: program.outvars[o]
              for i, o in (*zip(state.inputs, state.outputs),
                           *state.on_device)
@@ -373,7 +382,7 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
     try:
       loop, to_device, to_host, host_outs, serial = update_loop(
           program, liveness, run, on_host, host_outputs, output_readers,
-          updated, label, new_id)
+          updated, label, new_id, split_of)
     except CannotLoop:
       continue
     loop_at[run[-1]] = loop
@@ -423,7 +432,7 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
     if maker >= 0:
       # After the run's loop if the maker was folded into one.
       at = next((end for end, loop in loop_at.items()
-                 if atom in loop[-1].outputs), maker)
+                 if any(atom in e.outputs for e in loop)), maker)
       copy_after.setdefault(at, []).append(copy)
     else:
       copy_before.setdefault(0, []).append(copy)
@@ -438,13 +447,15 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str]
                               aval_nbytes(avals[copy.outputs[0]]), 0))
       equations.append(copy)
     if index in loop_at:
-      *prelude, scan = loop_at[index]
-      equations.extend(prelude)
+      loop = loop_at[index]
+      at = next(k for k, e in enumerate(loop)
+                if e.eqn.primitive is _compat.scan_p)
+      equations.extend(loop[:at])
       to_device, to_host, serial = loop_copies[index]
       copies.append(StateCopy(len(equations), to_device, to_host,
                               serial_bytes=serial))
       index_of[index] = len(equations)
-      equations.append(scan)
+      equations.extend(loop[at:])
     elif index not in removed:
       index_of[index] = len(equations)
       if index in fused_at:

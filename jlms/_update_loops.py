@@ -57,6 +57,13 @@ def _loop_rows(shape) -> int | None:
   return None if chunks is None else rows // chunks
 
 
+def _split(shape, splits):
+  """Of the `splits` of a run's stacks (of `shape`; None: not cut), the
+  one cutting their rows into the most shards; None where none is cut."""
+  cut = [s for s in splits if s is not None and shape[0] % s.shards == 0]
+  return max(cut, key=lambda s: s.shards, default=None)
+
+
 def _streamable(aval) -> bool:
   shape = tuple(aval.shape)
   return (len(shape) >= 2 and _loop_rows(shape) is not None
@@ -138,7 +145,8 @@ def update_runs(program: Program, liveness: Liveness,
 def update_loop(program: Program, liveness: Liveness, run: list[int],
                  on_host: set[int], host_outputs: set[int],
                  output_readers: dict, updated: dict[int, int], label,
-                 new_id) -> tuple[tuple[Equation, ...], int, int, list[int]]:
+                 new_id, split_of: dict | None = None
+                 ) -> tuple[tuple[Equation, ...], int, int, list[int]]:
   """The scan equation that runs the equations of `run` one leading slice
   (or chunk of rows, see `_loop_rows`) at a time. State on host is read
   slice by slice from host, an iteration ahead; a state leaf
@@ -147,10 +155,23 @@ def update_loop(program: Program, liveness: Liveness, run: list[int],
   updated slice written over the slice it was read from (the donated
   buffer is the output's: XLA allocates no second one); other updated
   state that is only an output of the step is written slice by slice to
-  a new host stack. Returns it, the bytes it moves to the device and to
-  host, and the values it makes on host (the caller places their avals
-  there). The scan comes last, after the equations that fetch its first
-  slices. Raises `CannotLoop` for a chunked run that makes stacks."""
+  a new host stack.
+
+  Where the state's leading axis is cut into shards over devices
+  (`split_of`: value -> `jlms._sharding.LeadingSplit`), each stack is
+  viewed as (shards, rows of a shard, ...), the stacks on the device held
+  in the state's shards, and the loop runs over the rows within each
+  shard: every device then reads and writes its own shard's rows. Taken
+  across the shards' cut, a row lies on one device, and XLA's partitioner
+  gathered the whole leaf on every device's host to slice it (on the 70B
+  Llama over eight H100s, `f32[128256,8192]` all-gathered in host memory
+  each iteration, which XLA's host offloader turns into host compute).
+
+  Returns the loop's equations (those that fetch its first slices, the
+  scan, then the reshapes of its buffers back), the bytes it moves to the
+  device and to host, and the values it makes on host (the caller places
+  their avals there). Raises `CannotLoop` for a chunked run, or one over
+  shards, that makes stacks."""
   inside = set(run)
   made = {v for i in run for v in program.equations[i].outputs}
   shape = tuple(program.avals[program.equations[run[0]].outputs[0]].shape)
@@ -191,36 +212,64 @@ def update_loop(program: Program, liveness: Liveness, run: list[int],
   carried_on_device = {h for h, _ in carried if h in device_stacks}
   scanned = [v for v in device_stacks if v not in carried_on_device]
   equations = [program.equations[i] for i in run]
-  rows = _loop_rows(shape)
-  length = shape[0] // rows
-  # Chunks of rows keep their leading axis (single slices drop it); the
-  # stacks the loop makes would come out chunked, so a chunked run makes
-  # none.
-  chunked = rows > 1
-  if chunked and (outputs or streamed_outs):
+  split = _split(shape, [(split_of or {}).get(v)
+                         for v in host_stacks + device_stacks])
+  shards = split.shards if split else 1
+  # Within a shard (see the docstring): axis 0 counts the shards, axis 1
+  # is the one the loop runs over.
+  axis = 1 if shards > 1 else 0
+  local = (shape[0] // shards, *shape[1:])
+  rows = _loop_rows(local)
+  if rows is None:
     raise CannotLoop
-  slice_shape = (rows, *shape[1:]) if chunked else shape[1:]
+  length = local[0] // rows
+  # Chunks of rows keep their axis (single slices drop it); the stacks
+  # the loop makes would come out chunked, or shard by shard, so such a
+  # run makes none.
+  chunked = rows > 1
+  if (chunked or shards > 1) and (outputs or streamed_outs):
+    raise CannotLoop
+  lead = (shards,) if shards > 1 else ()
+  slice_shape = (*lead, rows, *shape[1:]) if chunked else (*lead, *shape[1:])
+
+  def as_shards(buffer):
+    return jnp.reshape(buffer, (shards, *local)) if shards > 1 else buffer
+
+  def on_device_as_shards(buffer):
+    # Each shard kept on its device: XLA's partitioner may have made a
+    # gradient split along another axis, and would then move the state on
+    # host to match it there (an all-to-all in host memory).
+    view = as_shards(buffer)
+    if split is not None and split.view is not None:
+      view = jax.lax.with_sharding_constraint(view, split.view)
+    return view
+
+  def whole(buffer):
+    return jnp.reshape(buffer, shape) if shards > 1 else buffer
 
   def read_rows(buffer, index):
-    # The leading axis is kept: before the loop the index is a constant,
-    # and XLA's host offloader refuses a host slice reshaped before its
-    # copy once SPMD has partitioned it. A single slice drops it where it
-    # is read (`as_read`), on the device.
-    return jax.lax.dynamic_slice_in_dim(buffer, index * rows, rows)
+    # The axis is kept: before the loop the index is a constant, and XLA's
+    # host offloader refuses a host slice reshaped before its copy once
+    # SPMD has partitioned it. A single slice drops it where it is read
+    # (`as_read`), on the device.
+    return jax.lax.dynamic_slice_in_dim(buffer, index * rows, rows, axis)
 
   def as_read(rows_read):
-    return rows_read if chunked else jnp.squeeze(rows_read, 0)
+    return rows_read if chunked else jnp.squeeze(rows_read, axis)
 
   def write_rows(buffer, value, index):
     return jax.lax.dynamic_update_slice_in_dim(
-        buffer, value if chunked else value[None], index * rows, 0)
+        buffer, value if chunked else jnp.expand_dims(value, axis),
+        index * rows, axis)
 
   def call(scalar_values, device_values, host_values):
     # Traced on device values: the copies to host made here are cut off
     # below, so that the loop takes the program's host values.
     buffers_of = dict(zip(host_stacks, (
-        jax.device_put(v, jax.memory.Space.Host) for v in host_values)))
-    buffers_of.update(zip(device_stacks, device_values))
+        as_shards(jax.device_put(v, jax.memory.Space.Host))
+        for v in host_values)))
+    buffers_of.update(zip(device_stacks,
+                          map(on_device_as_shards, device_values)))
     read_only = {h: buffers_of[h] for h in host_stacks
                  if h not in dict(carried)}
 
@@ -248,7 +297,11 @@ def update_loop(program: Program, liveness: Liveness, run: list[int],
       # run beside the other half's copies out, on the other engine.
       index, buffers, prefetched = state
       env = dict(zip(scalars, scalar_values))
-      env.update(zip(scanned, device_slices))
+      if shards > 1:  # sliced here: a scan's slices are of its axis 0
+        env.update((v, as_read(read_rows(buffers_of[v], index)))
+                   for v in scanned)
+      else:
+        env.update(zip(scanned, device_slices))
       env.update((h, as_read(fetched))
                  for h, fetched in zip(fetched_names, prefetched))
       for (h, _), buffer in zip(carried, buffers):
@@ -299,11 +352,14 @@ def update_loop(program: Program, liveness: Liveness, run: list[int],
     start = [slice_in(h, first_of[h], jnp.int32(0)) for h in fetched_names]
     # A chunked stack on the device is scanned as (chunks, rows, ...): a
     # reshape XLA makes a bitcast.
-    xs = [jnp.reshape(buffers_of[v], (length, *slice_shape)) if chunked
-          else buffers_of[v] for v in scanned]
+    if shards > 1:
+      xs = []
+    else:
+      xs = [jnp.reshape(buffers_of[v], (length, *slice_shape)) if chunked
+            else buffers_of[v] for v in scanned]
     (_, buffers, _), ys = jax.lax.scan(
         iteration, (jnp.int32(0), first, start), xs, length=length)
-    return buffers, ys
+    return [whole(b) for b in buffers], ys
 
   def device_aval(value):
     aval = program.avals[value]
@@ -332,28 +388,23 @@ def update_loop(program: Program, liveness: Liveness, run: list[int],
         inputs.append(Const(consts[var]))
     return tuple(inputs)
 
-  loop = []  # the first slices' fetch, then the scan
+  # What `call` returns is the program's: the buffers updated in place,
+  # then the stacks it makes (on the device, then host).
+  returned = dict(zip(jaxpr.outvars, [o for _, o in carried] + outputs
+                      + streamed_outs))
+  # The first slices' fetch, the scan, then the buffers' reshapes back.
+  loop = []
   for eqn in jaxpr.eqns:
     if _compat.is_device_put(eqn) and eqn.invars[0] in host_inputs:
       ids[eqn.outvars[0]] = ids[eqn.invars[0]]  # cut: the program's host value
-    elif eqn.primitive is _compat.scan_p:
-      # Outputs: the loop counter and the last fetch (unused), the buffers
-      # updated in place, the stacks it makes (on the device, then host).
-      n_fetched = len(eqn.outvars) - 1 - len(carried) - len(outputs) - len(
-          streamed_outs)
-      outs = ([new_id(eqn.outvars[0].aval)] + [o for _, o in carried]
-              + [new_id(v.aval) for v in eqn.outvars[1 + len(carried):][
-                  :n_fetched]]
-              + outputs + streamed_outs)
-      loop.append(Equation(eqn, atoms(eqn), tuple(outs), name_stack))
-    else:  # the first fetch: index arithmetic, a slice, a device_put
-      outs = []
-      for var in eqn.outvars:
-        ids[var] = new_id(var.aval)
-        outs.append(ids[var])
-      loop.append(Equation(eqn, atoms(eqn), tuple(outs), name_stack))
-  if not loop or loop[-1].eqn.primitive is not _compat.scan_p:
-    raise AssertionError("an update loop traced no scan")
+      continue
+    outs = []
+    for var in eqn.outvars:
+      ids[var] = returned[var] if var in returned else new_id(var.aval)
+      outs.append(ids[var])
+    loop.append(Equation(eqn, atoms(eqn), tuple(outs), name_stack))
+  if sum(e.eqn.primitive is _compat.scan_p for e in loop) != 1:
+    raise AssertionError("an update loop traced no single scan")
   # Each stack on host is read once, plus one slice fetched twice.
   to_device = sum(aval_nbytes(program.avals[v]) for v in host_stacks
                   ) * (length + 1) // length

@@ -412,7 +412,8 @@ def _placed(plain: AnalysedProgram, way: Way) -> PlacedWay:
   description, copies = way.description, ()
   if plain.state or plain.state.on_device:
     program, copies, residuals = keep_state_on_host(
-        program, plain.state, residuals, plain.argument_names)
+        program, plain.state, residuals, plain.argument_names,
+        plain.leading_splits)
     liveness = analyse(program)
     if plain.state:
       description += f", {len(plain.state.inputs)} state leaves on host"

@@ -18,7 +18,9 @@ set, and reads what it prints or writes.
         The tiny `FlaxLlamaForCausalLM` of `benchmarks.real_models` (AdamW),
         its batch and every state leaf split over all CPU devices
         (FSDP-style, an Auto axis), three steps under jax.jit and under
-        `jlms.offload(budget="min")`, which keeps the state on host. Prints
+        `jlms.offload(budget="min")`, which keeps the state on host and
+        updates every leaf by a loop over its rows (within each device's
+        shard: the tiny leaves are streamed as MiB leaves are). Prints
         one JSON object: the largest relative error over the steps' states
         and losses, the plan's state leaves on host and offloaded values,
         and how many devices the outputs span.
@@ -38,6 +40,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import dataclasses
 import json
 
 import jax
@@ -47,6 +50,7 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jlms
+from jlms import _thresholds
 from benchmarks import models
 from benchmarks.sharded import AXIS, mesh_of, shard_step_args
 from jlms_tests.conftest import max_relative_error
@@ -169,6 +173,8 @@ def llama() -> dict:
     return shard_step_args(real.make_args(), mesh, batch_args=1, fsdp=True)
 
   expected = _three_steps(real, real.jitted(), fresh(), place=False)
+  _thresholds.THRESHOLDS = dataclasses.replace(
+      _thresholds.THRESHOLDS, streamed_leaf_min_bytes=1)
   step = real.offload(budget="min")
   plan = step.plan(*fresh())
   actual = _three_steps(real, step, fresh(), place=True)

@@ -354,6 +354,11 @@ def test_fsdp_state_shards_go_to_each_devices_host():
   assert memory.host_argument_bytes > 0
   assert memory.host_argument_bytes * len(devices) == pytest.approx(
       plan.state_host_bytes, rel=0.02)
+  # Each device's update loops take the rows of its own shards: across the
+  # shards' cut, XLA gathered a whole leaf into every device's host memory
+  # to slice it, which its host offloader runs as host compute (25 such
+  # instructions in this step before, and 100 KiB of host temporaries).
+  assert '_xla_compute_type="host"' not in memory.hlo_text
   # Each GPU has its own pinned pool, and a host budget is one GPU's: three
   # devices' shards of the state fit one, though the whole state does not.
   per_device = memory.host_argument_bytes
