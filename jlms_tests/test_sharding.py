@@ -27,8 +27,8 @@ from jlms._liveness import analyse
 from jlms._planner import Offload, SwapIn
 from jlms._program import flatten
 from jlms._rewrite import rewrite
-from jlms._sharding import (abstract_arguments, device_shape, link_shardings,
-                            unseen_split)
+from jlms._sharding import (LeadingSplit, abstract_arguments, device_shape,
+                            leading_split, link_shardings, unseen_split)
 from jlms._units import format_bytes
 from jlms_tests.conftest import F32_TOLERANCE, TFLMS_KNOBS, max_relative_error
 
@@ -227,6 +227,28 @@ def test_a_copied_value_is_split_like_an_argument_it_resembles():
   # already one device's and the types carry the shardings.
   explicit = _fsdp_pair(mesh_of(jlms.target_devices("h100", "1x1x8")))
   assert link_shardings(shapes, _traced_avals(explicit), explicit) == {}
+
+
+def test_a_leading_axis_cut_over_devices_is_kept_apart_in_its_view():
+  mesh = mesh_of(jlms.target_devices("h100", "1x1x8"), AxisType.Auto)
+  axis = mesh.axis_names[0]
+  rows = jax.ShapeDtypeStruct((1024, 2048), np.float32,
+                              sharding=NamedSharding(mesh, PartitionSpec(axis)))
+  weight, batch = _fsdp_pair(mesh)  # the weight is cut along its columns
+  avals = _traced_avals([rows, weight, batch])
+  split = leading_split(avals[0], rows)
+  # The update loop views the leaf as (8, 128, 2048), each device's rows
+  # in its own slice of the view's first axis.
+  assert split.shards == 8
+  assert split.view.spec == PartitionSpec(axis, None, None)
+  assert split.view.shard_shape((8, 128, 2048)) == (1, 128, 2048)
+  assert leading_split(avals[1], weight) is None
+  assert leading_split(avals[2], batch).shards == 8
+  # Explicit axes: the aval shows the cut, and its type carries the split.
+  explicit = mesh_of(jlms.target_devices("h100", "1x1x8"))
+  shown = jax.ShapeDtypeStruct((1024, 2048), np.float32, sharding=NamedSharding(
+      explicit, PartitionSpec(explicit.axis_names[0])))
+  assert leading_split(_traced_avals([shown])[0], shown) == LeadingSplit(8)
 
 
 def test_a_weight_gradient_copied_to_host_crosses_the_link_in_its_shard():
