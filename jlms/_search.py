@@ -227,9 +227,12 @@ class SearchRequest:
     arguments' split under Auto mesh axes, else 1."""
     if device_count(self.leaves) <= 1:
       return 1
-    avals = self.avals or tuple(self.plain.program.avals[v]
-                                for v in self.plain.program.invars)
-    return unseen_split(list(avals), self.leaves)
+    return unseen_split(list(self._argument_avals()), self.leaves)
+
+  def _argument_avals(self) -> tuple:
+    """The avals of the step's arguments, as traced."""
+    return self.avals or tuple(self.plain.program.avals[v]
+                               for v in self.plain.program.invars)
 
   @property
   def host_scale(self) -> float:
@@ -256,11 +259,9 @@ class SearchRequest:
     (`jlms._sharding.link_shardings`); none otherwise."""
     if self.split <= 1:
       return {}
-    avals = self.avals or tuple(self.plain.program.avals[v]
-                                for v in self.plain.program.invars)
     copied = {o.value: program.avals[o.value] for o in offloads
               if not o.is_recompute}
-    return link_shardings(copied, avals, self.leaves)
+    return link_shardings(copied, self._argument_avals(), self.leaves)
 
   def time_for(self, program, peak_bytes):
     """The time model for `program` peaking at `peak_bytes` (None: its
