@@ -23,10 +23,10 @@ Guarantees:
   split sharding for each value copied to host that has one like an
   argument's (below), so that every device copies its own shard; values
   with none are left out (XLA chooses, as before).
-- `leading_split(aval, leaf)` says how many shards an argument's sharding
-  cuts its leading axis into, and how to keep them apart in a view of
-  the argument as (shards, rows of a shard, ...); None where it is not
-  cut.
+- `leading_split(aval, leaf)` says, under Auto mesh axes, how many shards
+  an argument's sharding cuts its leading axis into, and how to keep them
+  apart in a view of the argument as (shards, rows of a shard, ...); None
+  where it is not cut.
 - `abstract_arguments(avals, leaves)` gives `ShapeDtypeStruct`s that keep
   each argument's sharding, so that XLA compiles (and measures) the program
   as it runs, per device.
@@ -124,25 +124,21 @@ def argument_device_bytes(nbytes: int, aval, leaf) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class LeadingSplit:
-  """How an argument's sharding cuts its leading axis: into `shards`, and
-  under Auto mesh axes (where the jaxpr does not show the cut) the
-  sharding of its view as (shards, rows of a shard, ...) that keeps each
-  shard on its device; None under explicit axes, whose types carry it."""
+  """How an argument's sharding cuts its leading axis where the jaxpr does
+  not show the cut (Auto mesh axes): into `shards`, and `view`, the
+  sharding of the argument viewed as (shards, rows of a shard, ...) that
+  keeps each shard on its device."""
   shards: int
-  view: jax.sharding.NamedSharding | None = None
+  view: jax.sharding.NamedSharding
 
 
 def leading_split(aval, leaf) -> LeadingSplit | None:
-  """How the sharding of an argument (`aval`, `leaf`) cuts its leading
-  axis (the aval's where it shows one, else the placed leaf's); None
-  where it is not cut, or is cut unevenly."""
+  """How the placed `leaf`'s sharding cuts the leading axis of an
+  argument of `aval` whose aval does not show the cut (Auto axes); None
+  where it is not cut, is cut unevenly, or the aval shows the cut
+  (explicit axes: its type carries the split)."""
   shape = tuple(getattr(aval, "shape", ()))
-  if not shape or shape[0] == 0:
-    return None
-  shown = device_shape(aval)
-  if shown != shape:
-    if shown[0] < shape[0] and shape[0] % shown[0] == 0:
-      return LeadingSplit(shape[0] // shown[0])
+  if not shape or shape[0] == 0 or device_shape(aval) != shape:
     return None
   sharding = _concrete_sharding(leaf)
   if not isinstance(sharding, jax.sharding.NamedSharding):

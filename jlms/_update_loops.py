@@ -25,6 +25,7 @@ from jlms._groups import connected_groups
 from jlms._liveness import Liveness, aval_nbytes
 from jlms._names import profile_scope
 from jlms._program import Const, Equation, Program
+from jlms._sharding import device_shape
 from jlms._update_fusion import is_sliceable
 
 # The leading axis a leaf's update loop runs over: at least 2 iterations
@@ -171,7 +172,8 @@ def update_loop(program: Program, liveness: Liveness, run: list[int],
   scan, then the reshapes of its buffers back), the bytes it moves to the
   device and to host, and the values it makes on host (the caller places
   their avals there). Raises `CannotLoop` for a chunked run, or one over
-  shards, that makes stacks."""
+  shards, that makes stacks, and for stacks whose avals show a split
+  (explicit mesh axes: such a leaf takes whole copies)."""
   inside = set(run)
   made = {v for i in run for v in program.equations[i].outputs}
   shape = tuple(program.avals[program.equations[run[0]].outputs[0]].shape)
@@ -212,6 +214,12 @@ def update_loop(program: Program, liveness: Liveness, run: list[int],
   carried_on_device = {h for h, _ in carried if h in device_stacks}
   scanned = [v for v in device_stacks if v not in carried_on_device]
   equations = [program.equations[i] for i in run]
+  if any(device_shape(program.avals[v]) != shape
+         for v in host_stacks + device_stacks):
+    # Explicit mesh axes: the loop is traced without sharding types, and
+    # JAX rejects its slices of a split leaf (`ShardingTypeError`); the
+    # leaf takes whole copies, as its types say.
+    raise CannotLoop
   split = _split(shape, [(split_of or {}).get(v)
                          for v in host_stacks + device_stacks])
   shards = split.shards if split else 1
@@ -240,7 +248,7 @@ def update_loop(program: Program, liveness: Liveness, run: list[int],
     # gradient split along another axis, and would then move the state on
     # host to match it there (an all-to-all in host memory).
     view = as_shards(buffer)
-    if split is not None and split.view is not None:
+    if split is not None:
       view = jax.lax.with_sharding_constraint(view, split.view)
     return view
 

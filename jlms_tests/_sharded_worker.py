@@ -121,6 +121,64 @@ class _ConstrainedCase:
     return shard_step_args((weights, x), self.mesh, batch_args=1)
 
 
+class _ExplicitFsdpCase:
+  """A tanh MLP step with AdamW whose weights (and so their moments) are
+  split over the devices under explicit mesh axes, one along its rows and
+  one along its columns, gathered where the loss reads them
+  (`jax.sharding.reshard`), as explicit FSDP does."""
+
+  def __init__(self, mesh, width: int = 64, hidden: int = 128):
+    self.mesh, self.width, self.hidden = mesh, width, hidden
+    optimizer = optax.adamw(1e-2)
+    self.optimizer = optimizer
+
+    def loss(weights, x):
+      first, second = (jax.sharding.reshard(w, PartitionSpec())
+                       for w in weights)
+      return jnp.mean((jnp.tanh(x @ first) @ second - x) ** 2)
+
+    def step(weights, opt_state, x):
+      value, grads = jax.value_and_grad(loss)(weights, x)
+      updates, opt_state = optimizer.update(grads, opt_state, weights)
+      return optax.apply_updates(weights, updates), opt_state, value
+
+    self.step = step
+
+  def make_args(self):
+    keys = jax.random.split(jax.random.key(0), 3)
+    weights = (jax.random.normal(keys[0], (self.width, self.hidden)) / 8,
+               jax.random.normal(keys[1], (self.hidden, self.width)) / 8)
+    x = jax.random.normal(keys[2], (2 * len(self.mesh.devices.flat),
+                                    self.width))
+    return shard_step_args((weights, self.optimizer.init(weights), x),
+                           self.mesh, batch_args=1, fsdp=True)
+
+
+def _explicit_state_on_host(devices) -> dict:
+  """`_ExplicitFsdpCase` with its state on host, its KiB leaves streamed
+  as MiB leaves are: the same as jax.jit's."""
+  case = _ExplicitFsdpCase(mesh_of(devices))
+  before = _thresholds.THRESHOLDS
+  _thresholds.THRESHOLDS = dataclasses.replace(
+      before, streamed_leaf_min_bytes=1)
+  try:
+    with jax.set_mesh(case.mesh):
+      expected = jax.jit(case.step)(*case.make_args())
+      step = jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
+                          state_on_host=True, min_bytes=1024)
+      plan = step.plan(*case.make_args())
+      actual = step(*step.place(*case.make_args()))
+  finally:
+    _thresholds.THRESHOLDS = before
+  pairs = list(zip(jax.tree.leaves(actual), jax.tree.leaves(expected)))
+  return {
+      "error": max_relative_error(actual, expected),
+      "state_leaves": plan.state_leaves,
+      "shardings_equal": all(
+          a.sharding.spec == e.sharding.spec for a, e in pairs),
+  }
+
+
 def layouts() -> dict:
   devices = jax.devices()
   case = small_case(batch=2 * len(devices))
@@ -134,6 +192,7 @@ def layouts() -> dict:
       "fsdp": _layout_result(
           case, shard_step_args(args, mesh_of(devices, AxisType.Auto),
                                 fsdp=True)),
+      "fsdp_explicit_state_on_host": _explicit_state_on_host(devices),
   } | {
       f"constrained_{name}": _layout_result(
           constrained, constrained.make_args(),
