@@ -31,6 +31,13 @@ class Thresholds:
   #: A state leaf is updated by a loop over its rows from this size on;
   #: a smaller one is copied whole (`jlms._update_loops`).
   streamed_leaf_min_bytes: int = 1 << 20
+  #: An update loop takes enough rows per iteration that each slice it
+  #: moves is at least this (`jlms._update_loops`): every iteration pays
+  #: fixed costs beside its bytes (a GPU `lax.scan` iteration, about 8 us,
+  #: QuantEcon's Nsight measurement in QuantEcon/lecture-python-programming
+  #: pull request 437; a copy's latency, about 10 us), and 4 MiB crosses
+  #: the link in about 80 us.
+  update_slice_min_bytes: int = 4 << 20
   #: A state leaf is worth a copy to host of its own from this size on
   #: (each copy costs a transfer's latency, about 10 us; `jlms._search`).
   state_leaf_min_bytes: int = 64 << 10

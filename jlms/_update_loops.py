@@ -4,8 +4,9 @@
 update that no scan makes (a leaf not stacked by layers, or the stack's
 update where its gradient is made whole) is a run of pointwise equations
 on arrays of the leaf's shape: `update_runs` finds such runs, and
-`update_loop` traces each as a loop over the leaf's leading axis (one
-slice, or a chunk of rows of a long axis, per iteration), fetching the
+`update_loop` traces each as a loop over the leaf's leading axis (a
+chunk of rows of a few MiB per iteration, or one slice of a short axis
+such as a stack's layers), fetching the
 state on host an iteration ahead and writing each updated slice back while
 the next comes in.
 
@@ -16,6 +17,9 @@ copies).
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,13 +33,17 @@ from jlms._sharding import device_shape
 from jlms._update_fusion import is_sliceable
 
 # The leading axis a leaf's update loop runs over: at least 2 iterations
-# (XLA refuses a one-slice host stack, see `jlms._loops`), one slice each
-# for at most this many; a longer leading axis (an embedding table's rows)
-# is taken in `_CHUNKS` or a few more chunks of rows, so that the loop is
-# not tens of thousands of tiny iterations.
+# (XLA refuses a one-slice host stack, see `jlms._loops`) and at most
+# `_MAX_LOOP_LENGTH`; rows are taken together until a slice holds
+# `update_slice_min_bytes`, keeping at least `_MIN_ITERATIONS` where the
+# axis has them: one row at a time, a Llama-3-8B's weight of 4096 rows is
+# 4096 copies of 16 KiB each way, and its step with 158 leaves on host
+# runs some 600,000 iterations (seconds of fixed costs on a GPU, where
+# its copies take 1.3 s); fewer than `_MIN_ITERATIONS` leave more of the
+# leaf in the slices fetched before the loop and written after it, and
+# the last slice, fetched twice, a larger share of the bytes.
 _MAX_LOOP_LENGTH = 4096
-_CHUNKS = 16
-
+_MIN_ITERATIONS = 16
 
 
 def reads_on_device(equation: Equation, value: int) -> bool:
@@ -45,17 +53,38 @@ def reads_on_device(equation: Equation, value: int) -> bool:
              for a, v in zip(equation.inputs, equation.eqn.invars))
 
 
-def _loop_rows(shape) -> int | None:
-  """The rows of a leaf of `shape` that one iteration of its update loop
-  takes: 1 for a leading axis of 2 to `_MAX_LOOP_LENGTH`; for a longer
-  one, the rows of the fewest chunks, at least `_CHUNKS`, that divide it;
-  None when there are none."""
-  rows = shape[0]
-  if rows <= _MAX_LOOP_LENGTH:
-    return 1 if rows >= 2 else None
-  chunks = next((c for c in range(_CHUNKS, _MAX_LOOP_LENGTH + 1)
-                 if rows % c == 0), None)
-  return None if chunks is None else rows // chunks
+def _loop_rows(shape, row_bytes: int) -> int | None:
+  """The rows of a leaf of `shape` (`row_bytes` a row) that one iteration
+  of its update loop takes: a divisor of the leading axis leaving 2 to
+  `_MAX_LOOP_LENGTH` iterations; the fewest rows that make a slice of
+  `update_slice_min_bytes`, but no more than leave `_MIN_ITERATIONS`
+  (one row for an axis shorter than that: the layers of a stack); None
+  when no divisor fits."""
+  length = shape[0]
+  if length < 2:
+    return None
+  divisors = [d for d in _divisors(length)
+              if 2 <= length // d <= _MAX_LOOP_LENGTH]
+  if not divisors:
+    return None
+  many = [d for d in divisors if length // d >= _MIN_ITERATIONS]
+  if not many:
+    return divisors[0]
+  wanted = -(-_thresholds.THRESHOLDS.update_slice_min_bytes
+             // max(row_bytes, 1))
+  return next((d for d in many if d >= wanted), many[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _divisors(n: int) -> tuple[int, ...]:
+  """The divisors of `n`, ascending."""
+  small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+  return tuple(sorted({*small, *(n // d for d in small)}))
+
+
+def _row_bytes(aval) -> int:
+  shape = tuple(aval.shape)
+  return aval_nbytes(aval) // shape[0] if shape and shape[0] else 0
 
 
 def _split(shape, splits):
@@ -67,7 +96,7 @@ def _split(shape, splits):
 
 def _streamable(aval) -> bool:
   shape = tuple(aval.shape)
-  return (len(shape) >= 2 and _loop_rows(shape) is not None
+  return (len(shape) >= 2 and _loop_rows(shape, _row_bytes(aval)) is not None
           # A smaller leaf is copied whole: a loop buys nothing.
           and aval_nbytes(aval)
           >= _thresholds.THRESHOLDS.streamed_leaf_min_bytes)
@@ -227,16 +256,22 @@ def update_loop(program: Program, liveness: Liveness, run: list[int],
   # is the one the loop runs over.
   axis = 1 if shards > 1 else 0
   local = (shape[0] // shards, *shape[1:])
-  rows = _loop_rows(local)
+  rows = _loop_rows(local, max(_row_bytes(program.avals[v])
+                               for v in host_stacks + device_stacks))
   if rows is None:
     raise CannotLoop
-  length = local[0] // rows
-  # Chunks of rows keep their axis (single slices drop it); the stacks
-  # the loop makes would come out chunked, or shard by shard, so such a
-  # run makes none.
-  chunked = rows > 1
-  if (chunked or shards > 1) and (outputs or streamed_outs):
+  # Chunks of rows keep their axis (single slices drop it). A stack the
+  # loop makes on the device (a weight cast for the forward pass) comes out
+  # as (chunks, rows, ...), reshaped back whole after the loop; one it
+  # writes to host would be reshaped in host memory, so such a run takes
+  # one row at a time where its axis allows. Shard by shard, the stacks
+  # would come out in the shards' order: such a run makes none.
+  if rows > 1 and streamed_outs:
+    rows = 1 if local[0] <= _MAX_LOOP_LENGTH else None
+  if rows is None or (shards > 1 and (outputs or streamed_outs)):
     raise CannotLoop
+  length = local[0] // rows
+  chunked = rows > 1
   lead = (shards,) if shards > 1 else ()
   slice_shape = (*lead, rows, *shape[1:]) if chunked else (*lead, *shape[1:])
 
@@ -367,7 +402,9 @@ def update_loop(program: Program, liveness: Liveness, run: list[int],
             else buffers_of[v] for v in scanned]
     (_, buffers, _), ys = jax.lax.scan(
         iteration, (jnp.int32(0), first, start), xs, length=length)
-    return [whole(b) for b in buffers], ys
+    made = [jnp.reshape(y, shape) if chunked else y
+            for y in ys[:len(outputs)]]
+    return [whole(b) for b in buffers], made + ys[len(outputs):]
 
   def device_aval(value):
     aval = program.avals[value]

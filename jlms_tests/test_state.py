@@ -219,6 +219,70 @@ def test_a_leaf_of_many_rows_is_updated_in_chunks():
                                rtol=1e-6, atol=1e-6)
 
 
+def _update_loop_slices(shape, **thresholds):
+  """(iterations, slice shape) of the one update loop of an AdamW-like
+  update of a leaf of `shape` kept on host with its moment."""
+  def step(w, m, g):
+    m = 0.9 * m + 0.1 * g
+    return w - 0.01 * m, m
+
+  shapes = [jax.ShapeDtypeStruct(shape, jnp.float32)] * 3
+  program = flatten(jax.make_jaxpr(step)(*shapes))
+  state = _state.host_state(program, analyse(program),
+                            _state.state_pairs(program, (0, 1)))
+  with _thresholds.overridden(**thresholds):
+    rewritten, _, _ = _state.keep_state_on_host(program, state)
+  (loop,) = [e for e in rewritten.equations if e.primitive.name == "scan"]
+  layout = jlms._compat.scan_layout(loop.eqn)
+  carried = loop.eqn.invars[layout.num_consts:
+                            layout.num_consts + layout.num_carry]
+  # The carry: the loop's index, the buffers on host, the next slices.
+  (slice_shape,) = {tuple(v.aval.shape) for v in carried
+                    if not jlms._compat.is_host_aval(v.aval)
+                    and v.aval.shape}
+  return layout.length, slice_shape
+
+
+def test_a_weights_rows_are_taken_a_few_mib_at_a_time():
+  # A weight of 4096 rows is not 4096 iterations of one row (a GPU pays
+  # fixed costs per iteration and per copy): rows are taken together up
+  # to a slice of `update_slice_min_bytes`, keeping 16 iterations.
+  assert _update_loop_slices((4096, 64)) == (16, (256, 64))
+  row = 64 * 4
+  assert _update_loop_slices(
+      (4096, 64), update_slice_min_bytes=100 * row) == (32, (128, 64))
+  # A short axis (a stack's layers) keeps one slice per iteration.
+  assert _update_loop_slices((12, 64)) == (12, (1, 64))
+
+
+def test_a_weight_cast_for_the_forward_pass_is_made_in_chunks_of_rows():
+  # The cast that the forward pass reads is made on the device by a loop
+  # over the weight on host, 16 chunks of 256 rows, reshaped back whole.
+  def step(w, m, x):
+    loss = jnp.sum(x @ w.astype(jnp.bfloat16).astype(jnp.float32))
+    m = 0.9 * m + 0.1 * w
+    return w - 0.01 * m, m, loss
+
+  shapes = [jax.ShapeDtypeStruct((4096, 8), jnp.float32)] * 2 + [
+      jax.ShapeDtypeStruct((2, 4096), jnp.float32)]
+  program = flatten(jax.make_jaxpr(step)(*shapes))
+  state = _state.host_state(program, analyse(program),
+                            _state.state_pairs(program, (0, 1)))
+  rewritten, _, _ = _state.keep_state_on_host(program, state)
+  loops = [e for e in rewritten.equations if e.primitive.name == "scan"]
+  assert len(loops) == 2
+  assert {jlms._compat.scan_layout(e.eqn).length for e in loops} == {16}
+  keys = jax.random.split(jax.random.key(1), 3)
+  args = [jax.random.normal(k, s.shape) for k, s in zip(keys, shapes)]
+  on_host = [jax.device_put(x, jax.memory.Space.Host) for x in args[:2]]
+  closed = rewrite(rewritten, (), OffloadConfig())
+  outputs = jax.jit(lambda *a: jlms._compat.eval_jaxpr(
+      closed.jaxpr, closed.consts, *a))(*on_host, args[2])
+  for got, want in zip(outputs, step(*args)):
+    np.testing.assert_allclose(np.asarray(_on_device(got)), want,
+                               rtol=1e-6, atol=1e-5)
+
+
 @_SHARED_GPT
 def test_gpt_outputs_equal_jit_over_steps_with_state_on_host(gpt_on_host):
   case, step = gpt_on_host
