@@ -13,8 +13,9 @@ brings to the device only what it computes on at the time:
   (`jlms._update_fusion`), for the stack's state on host and on the
   device alike: no gradient stack is then made;
 - any other update of a leaf, a run of pointwise equations on arrays
-  of the leaf's shape, runs as a loop over the leaf's leading axis (one
-  slice, or a chunk of rows of a long axis, per iteration): each
+  of the leaf's shape, runs as a loop over the leaf's leading axis (a
+  chunk of rows of a few MiB per iteration, or one slice of a short
+  axis): each
   iteration updates its slice of the state, fetched an iteration ahead,
   and copies the updated slice to the host output while the next slices
   come in; the gradient is read slice by slice where it is on the device;

@@ -59,7 +59,8 @@ def _loop_rows(shape, row_bytes: int) -> int | None:
   `_MAX_LOOP_LENGTH` iterations; the fewest rows that make a slice of
   `update_slice_min_bytes`, but no more than leave `_MIN_ITERATIONS`
   (one row for an axis shorter than that: the layers of a stack); None
-  when no divisor fits."""
+  when no divisor fits, or a long axis has none that leaves
+  `_MIN_ITERATIONS`."""
   length = shape[0]
   if length < 2:
     return None
@@ -69,7 +70,10 @@ def _loop_rows(shape, row_bytes: int) -> int | None:
     return None
   many = [d for d in divisors if length // d >= _MIN_ITERATIONS]
   if not many:
-    return divisors[0]
+    # A short axis, one slice an iteration; a long one with no divisor
+    # leaving `_MIN_ITERATIONS` (a vocabulary of 32002 rows: 2 slices of
+    # half the table, the last fetched twice) takes whole copies.
+    return 1 if length <= _MAX_LOOP_LENGTH else None
   wanted = -(-_thresholds.THRESHOLDS.update_slice_min_bytes
              // max(row_bytes, 1))
   return next((d for d in many if d >= wanted), many[-1])
@@ -103,9 +107,8 @@ def _streamable(aval) -> bool:
 
 
 class CannotLoop(Exception):
-  """A run that no update loop can make: its leaf is taken in chunks of
-  rows and the run makes stacks besides the state it updates in place.
-  Its reads then take whole copies."""
+  """A run that no update loop can make (see `update_loop`). Its reads
+  then take whole copies."""
 
 
 def update_runs(program: Program, liveness: Liveness,
@@ -176,7 +179,7 @@ def update_loop(program: Program, liveness: Liveness, run: list[int],
                  on_host: set[int], host_outputs: set[int],
                  output_readers: dict, updated: dict[int, int], label,
                  new_id, split_of: dict | None = None
-                 ) -> tuple[tuple[Equation, ...], int, int, list[int]]:
+                 ) -> tuple[tuple[Equation, ...], int, int, list[int], int]:
   """The scan equation that runs the equations of `run` one leading slice
   (or chunk of rows, see `_loop_rows`) at a time. State on host is read
   slice by slice from host, an iteration ahead; a state leaf
@@ -198,10 +201,14 @@ def update_loop(program: Program, liveness: Liveness, run: list[int],
   each iteration, which XLA's host offloader turns into host compute).
 
   Returns the loop's equations (those that fetch its first slices, the
-  scan, then the reshapes of its buffers back), the bytes it moves to the
-  device and to host, and the values it makes on host (the caller places
-  their avals there). Raises `CannotLoop` for a chunked run, or one over
-  shards, that makes stacks, and for stacks whose avals show a split
+  scan, then the reshapes of its buffers and chunked stacks back), the
+  bytes it moves to the device and to host, the values it makes on host
+  (the caller places their avals there), and the bytes one direction
+  moves in the time its copies take (`_serial_bytes`). Raises
+  `CannotLoop` where `_loop_rows` finds no rows for the leaf; for a run
+  that writes stacks to host when its leaf's axis is longer than
+  `_MAX_LOOP_LENGTH` (chunks would be reshaped in host memory); for one
+  over shards that makes stacks; and for stacks whose avals show a split
   (explicit mesh axes: such a leaf takes whole copies)."""
   inside = set(run)
   made = {v for i in run for v in program.equations[i].outputs}
@@ -437,7 +444,8 @@ def update_loop(program: Program, liveness: Liveness, run: list[int],
   # then the stacks it makes (on the device, then host).
   returned = dict(zip(jaxpr.outvars, [o for _, o in carried] + outputs
                       + streamed_outs))
-  # The first slices' fetch, the scan, then the buffers' reshapes back.
+  # The first slices' fetch, the scan, then the reshapes back of the
+  # buffers and of chunked stacks.
   loop = []
   for eqn in jaxpr.eqns:
     if _compat.is_device_put(eqn) and eqn.invars[0] in host_inputs:
@@ -457,11 +465,12 @@ def update_loop(program: Program, liveness: Liveness, run: list[int],
   in_place = dict(carried)
   return (tuple(loop), to_device, to_host, host_outs, _serial_bytes(
       program, [h for h, _ in carried if h not in carried_on_device],
-      [h for h in host_stacks if h not in in_place], streamed_outs))
+      [h for h in host_stacks if h not in in_place], streamed_outs,
+      length))
 
 
 def _serial_bytes(program: Program, host_carried, read_only,
-                  streamed_outs) -> int:
+                  streamed_outs, length: int) -> int:
   """The bytes one link direction would move in the time the loop's
   copies take: each iteration runs two phases, the first half's fetches
   (and the read-only stacks') beside the second half's write-backs, then
@@ -471,7 +480,9 @@ def _serial_bytes(program: Program, host_carried, read_only,
   run one after the other (the 8B Llama's update loops of one leaf: 615
   ms each way and twice that exposed); two leaves take the time of one
   direction (two AdamW moments of 0.22 GiB: 8.1 ms exposed of a loop
-  moving 0.44 GiB each way, 8.6 ms at 55 GB/s; schedule model)."""
+  moving 0.44 GiB each way, 8.6 ms at 55 GB/s; schedule model). A fetch
+  moves its leaf and one slice more (of `length`: the last is fetched
+  twice)."""
   def size(value):
     return aval_nbytes(program.avals[value])
 
@@ -480,4 +491,9 @@ def _serial_bytes(program: Program, host_carried, read_only,
   second = sum(size(h) for h in host_carried[half:])
   fetched = sum(size(h) for h in read_only)
   written = sum(size(v) for v in streamed_outs)
-  return max(fetched + first, second) + max(first + written, second)
+
+  def fetch(nbytes):
+    return nbytes * (length + 1) // length
+
+  return (max(fetch(fetched + first), second)
+          + max(first + written, fetch(second)))

@@ -19,7 +19,7 @@ import pytest
 from flax.training import train_state
 
 import jlms
-from jlms import _offload, _state, _thresholds
+from jlms import _offload, _state, _thresholds, _update_loops
 from jlms._liveness import analyse
 from jlms._config import OffloadConfig
 from jlms._program import flatten
@@ -155,8 +155,9 @@ def test_update_runs_one_slice_at_a_time():
   assert [(c.to_device, c.to_host) for c in copies] == [
       (2 * size + 2 * size // 6, 2 * size)]
   # One leaf's fetch runs beside the other's write-back: the loop takes
-  # the time of one direction's bytes, not of both.
-  assert copies[0].serial_bytes == 2 * size
+  # the time of one direction's bytes (with the slice fetched twice), not
+  # of both.
+  assert copies[0].serial_bytes == 2 * size + 2 * size // 6
   layout = jlms._compat.scan_layout(loops[0].eqn)
   assert layout.length == 6
   # The loop carries both leaves' next slices, fetched before it starts.
@@ -186,7 +187,8 @@ def test_one_leaf_updated_in_place_is_priced_fetch_then_write_back():
                             _state.state_pairs(program, (0,)))
   _, copies, _ = _state.keep_state_on_host(program, state)
   size = 6 * 8 * 16 * 4
-  assert [(c.to_host, c.serial_bytes) for c in copies] == [(size, 2 * size)]
+  assert [(c.to_host, c.serial_bytes) for c in copies] == [
+      (size, 2 * size + size // 6)]
 
 
 def test_a_leaf_of_many_rows_is_updated_in_chunks():
@@ -259,6 +261,10 @@ def test_a_weights_rows_are_taken_a_few_mib_at_a_time():
       (4096, 64), update_slice_min_bytes=100 * row) == (32, (128, 64))
   # A short axis (a stack's layers) keeps one slice per iteration.
   assert _update_loop_slices((12, 64)) == (12, (1, 64))
+  # A vocabulary of 32002 rows would be 2 slices of half the table, the
+  # last fetched twice: the leaf takes whole copies instead.
+  assert _update_loops._loop_rows((32002, 4), 16) is None
+  assert _update_loops._loop_rows((32000, 4), 16) == 2000
 
 
 def test_a_weight_cast_for_the_forward_pass_is_made_in_chunks_of_rows():
