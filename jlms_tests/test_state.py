@@ -275,16 +275,22 @@ def test_a_weight_cast_for_the_forward_pass_is_made_in_chunks_of_rows():
     m = 0.9 * m + 0.1 * w
     return w - 0.01 * m, m, loss
 
-  shapes = [jax.ShapeDtypeStruct((4096, 8), jnp.float32)] * 2 + [
-      jax.ShapeDtypeStruct((2, 4096), jnp.float32)]
-  program = flatten(jax.make_jaxpr(step)(*shapes))
-  state = _state.host_state(program, analyse(program),
-                            _state.state_pairs(program, (0, 1)))
-  rewritten, _, _ = _state.keep_state_on_host(program, state)
-  loops = [e for e in rewritten.equations if e.primitive.name == "scan"]
-  assert len(loops) == 2
-  assert {jlms._compat.scan_layout(e.eqn).length for e in loops} == {16}
+  def on_host(rows):
+    shapes = [jax.ShapeDtypeStruct((rows, 8), jnp.float32)] * 2 + [
+        jax.ShapeDtypeStruct((2, rows), jnp.float32)]
+    program = flatten(jax.make_jaxpr(step)(*shapes))
+    state = _state.host_state(program, analyse(program),
+                              _state.state_pairs(program, (0, 1)))
+    rewritten, _, _ = _state.keep_state_on_host(program, state)
+    lengths = [jlms._compat.scan_layout(e.eqn).length
+               for e in rewritten.equations if e.primitive.name == "scan"]
+    return rewritten, shapes, lengths
+
+  rewritten, shapes, lengths = on_host(4096)
+  assert lengths == [16, 16]
   _assert_runs_as_the_step(rewritten, step, shapes, on_host=2)
+  # Over a longer axis, the cast takes a whole copy, as before chunks.
+  assert on_host(8192)[2] == [16]
 
 
 @_SHARED_GPT
