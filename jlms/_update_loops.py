@@ -53,17 +53,21 @@ def reads_on_device(equation: Equation, value: int) -> bool:
              for a, v in zip(equation.inputs, equation.eqn.invars))
 
 
-def _loop_rows(shape, row_bytes: int) -> int | None:
+def _loop_rows(shape, row_bytes: int, chunks: bool = True) -> int | None:
   """The rows of a leaf of `shape` (`row_bytes` a row) that one iteration
   of its update loop takes: a divisor of the leading axis leaving 2 to
   `_MAX_LOOP_LENGTH` iterations; the fewest rows that make a slice of
   `update_slice_min_bytes`, but no more than leave `_MIN_ITERATIONS`
   (one row for an axis shorter than that: the layers of a stack); None
   when no divisor fits, or a long axis has none that leaves
-  `_MIN_ITERATIONS`."""
+  `_MIN_ITERATIONS`. Without `chunks` (a loop whose stacks cannot come
+  out in chunks, see `update_loop`), one row, where the axis has 2 to
+  `_MAX_LOOP_LENGTH` of them."""
   length = shape[0]
   if length < 2:
     return None
+  if not chunks:
+    return 1 if length <= _MAX_LOOP_LENGTH else None
   divisors = [d for d in _divisors(length)
               if 2 <= length // d <= _MAX_LOOP_LENGTH]
   if not divisors:
@@ -263,10 +267,6 @@ def update_loop(program: Program, liveness: Liveness, run: list[int],
   # is the one the loop runs over.
   axis = 1 if shards > 1 else 0
   local = (shape[0] // shards, *shape[1:])
-  rows = _loop_rows(local, max(_row_bytes(program.avals[v])
-                               for v in host_stacks + device_stacks))
-  if rows is None:
-    raise CannotLoop
   # Chunks of rows keep their axis (single slices drop it). A stack the
   # loop makes on the device (a weight cast for the forward pass) comes out
   # as (chunks, rows, ...), reshaped back whole after the loop; one it
@@ -279,10 +279,13 @@ def update_loop(program: Program, liveness: Liveness, run: list[int],
   # (two layers of the 70B Llama over eight H100s: 9389 MiB to the
   # device instead of 8663, 340.4 ms by the schedule model instead of
   # 310.1).
-  if rows > 1 and (streamed_outs or (
-      outputs and local[0] > _MAX_LOOP_LENGTH)):
-    rows = 1 if local[0] <= _MAX_LOOP_LENGTH else None
-  if rows is None or (shards > 1 and (outputs or streamed_outs)):
+  if shards > 1 and (outputs or streamed_outs):
+    raise CannotLoop
+  rows = _loop_rows(
+      local, max(_row_bytes(program.avals[v])
+                 for v in host_stacks + device_stacks),
+      chunks=not (streamed_outs or (outputs and local[0] > _MAX_LOOP_LENGTH)))
+  if rows is None:
     raise CannotLoop
   length = local[0] // rows
   chunked = rows > 1

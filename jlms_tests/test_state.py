@@ -265,6 +265,10 @@ def test_a_weights_rows_are_taken_a_few_mib_at_a_time():
   # last fetched twice: the leaf takes whole copies instead.
   assert _update_loops._loop_rows((32002, 4), 16) is None
   assert _update_loops._loop_rows((32000, 4), 16) == 2000
+  # A loop whose stacks cannot come out in chunks takes one row at a time,
+  # and none over an axis too long for one loop.
+  assert _update_loops._loop_rows((4096, 64), 256, chunks=False) == 1
+  assert _update_loops._loop_rows((8192, 64), 256, chunks=False) is None
 
 
 def test_a_weight_cast_for_the_forward_pass_is_made_in_chunks_of_rows():
