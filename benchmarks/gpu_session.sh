@@ -8,9 +8,12 @@
 #      export them first, on any machine: `python -m benchmarks.gpu_steps
 #      export`), since that is what only a GPU can give;
 #   2. with HIDDEN_S set (seconds), issue 37's steps with their host copies
-#      (benchmarks/hidden_copies_gpu.py), each in a process of its own;
-#      with PGLE_S also those named in PGLE_STEPS again under JAX's
-#      profile-guided latency estimation;
+#      (benchmarks/hidden_copies_gpu.py), each in a process of its own that
+#      first measures the host link: the scanned MLP planned for the local
+#      GPU's target (LOCAL_TARGET, default h200) and for the H100, the GPTs
+#      for the H100 (so that their state goes to host); with PGLE_S also
+#      those named in PGLE_STEPS, planned for LOCAL_TARGET, again under
+#      JAX's profile-guided latency estimation;
 #   3. the `gpu` tests (jlms_tests/test_gpu.py) in one process;
 #   4. unless QUICK_S is 0, the rest of the quick tier with the GPU as JAX's
 #      default backend, on several processes that share the GPU (memory on
@@ -19,13 +22,21 @@
 #
 # Each part has its own time limit (seconds: STEPS_S, HIDDEN_S, PGLE_S,
 # GPU_TESTS_S, QUICK_S, SLOW_S) and its log in $OUT, so that a part that
-# runs long leaves the others' work; a test tier past its limit is
+# runs long leaves the others' work; with TOTAL_S set, no part runs past
+# TOTAL_S - 30 seconds from the start, so that the archive is still made
+# inside a command limit of TOTAL_S; a test tier past its limit is
 # interrupted (SIGINT), so that pytest still reports what ran. CASES (names
 # of benchmarks.gpu_steps cases, space-separated) limits part 1 to those
 # cases. Logs, JUnit files and kept programs end in $OUT/logs.tgz, so that
 # what comes back is a handful of files.
 set -uo pipefail
 OUT=${OUT:-out}
+
+# The lesser of a part's limit and what TOTAL_S leaves (30 s kept back).
+limit() {
+  local left=$(( ${TOTAL_S:-100000} - SECONDS - 30 ))
+  echo $(( $1 < left ? $1 : (left > 1 ? left : 1) ))
+}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 python=${PYTHON:-python3}
@@ -37,7 +48,7 @@ python=${PYTHON:-python3}
 
 if [ -f .gpu_steps/manifest.json ]; then
   echo "=== 1. frontier programs on the GPU"
-  timeout "${STEPS_S:-240}" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.99 \
+  timeout "$(limit "${STEPS_S:-240}")" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.99 \
     "$python" -m benchmarks.gpu_steps run --out "$OUT" ${CASES:+--case $CASES} 2>&1 | tee "$OUT/gpu_steps.log"
 fi
 
@@ -46,25 +57,29 @@ fi
 # Further arguments are `env` assignments (JLMS_HLO_DIR=DIR keeps each
 # compiled program there).
 hidden_step() {
-  local name=$1 json=$2 limit=$3; shift 3
-  timeout "$limit" env XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="${HOST_GB:-96}" \
+  local name=$1 target=$2 json=$3 limit=$4; shift 4
+  timeout "$(limit "$limit")" env XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="${HOST_GB:-96}" \
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 "$@" \
     "$python" -m benchmarks.hidden_copies_gpu --only "$name" \
-    --json "$OUT/$json.json" 2>&1 | tee -a "$OUT/hidden_copies.log"
+    --target "$target" --link --json "$OUT/$json.json" 2>&1 \
+    | grep -v profile_guided_latency_estimator | tee -a "$OUT/hidden_copies.log"
 }
 
 if [ "${HIDDEN_S:-0}" -gt 0 ]; then
   echo "=== 2. issue 37's steps with their host copies"
+  local_target=${LOCAL_TARGET:-h200}
   i=0
-  for name in "scan MLP" "GPT 4 x 4096" "GPT 6.58B"; do
+  for spec in "scan MLP@$local_target" "scan MLP@h100" "GPT 4 x 4096@h100" \
+              "GPT 6.58B@h100"; do
     i=$((i + 1))
-    hidden_step "$name" "hidden_$i" "$HIDDEN_S" JLMS_HLO_DIR="$OUT/hlo"
+    hidden_step "${spec%@*}" "${spec#*@}" "hidden_$i" "$HIDDEN_S" \
+      JLMS_HLO_DIR="$OUT/hlo_${spec#*@}"
   done
   if [ "${PGLE_S:-0}" -gt 0 ]; then
     # Names with "_" for " "; XLA's dump keeps the recompiled program.
     for name in ${PGLE_STEPS:-scan_MLP}; do
       i=$((i + 1))
-      hidden_step "${name//_/ }" "hidden_pgle_$i" "$PGLE_S" \
+      hidden_step "${name//_/ }" "$local_target" "hidden_pgle_$i" "$PGLE_S" \
         JAX_ENABLE_PGLE=true JAX_PGLE_PROFILING_RUNS=2 \
         XLA_FLAGS="--xla_dump_to=$OUT/pgle_dump_$i --xla_dump_hlo_as_text"
       find "$OUT/pgle_dump_$i" -type f ! -name '*after_optimizations.txt' -delete 2>/dev/null
@@ -82,7 +97,7 @@ PY
 fi
 
 echo "=== 3. the gpu tests"
-timeout -s INT -k 20 "${GPU_TESTS_S:-150}" env JAX_PLATFORMS=cuda,cpu \
+timeout -s INT -k 20 "$(limit "${GPU_TESTS_S:-150}")" env JAX_PLATFORMS=cuda,cpu \
   "$python" -m pytest -m gpu -n 0 -p no:cacheprovider -rA --tb=short \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 
@@ -91,7 +106,7 @@ timeout -s INT -k 20 "${GPU_TESTS_S:-150}" env JAX_PLATFORMS=cuda,cpu \
 # time limit.
 on_gpu() {
   local name=$1 marks=$2 limit=$3
-  timeout -s INT -k 20 "$limit" env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  timeout -s INT -k 20 "$(limit "$limit")" env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false \
     "$python" -m pytest -m "$marks" -n "${WORKERS:-8}" -p no:cacheprovider \
     -rfE --tb=short --junitxml="$OUT/${name}_tests.xml" > "$OUT/${name}_tests.log" 2>&1
   echo "$name tier exit $?"
