@@ -255,14 +255,8 @@ def xla_memory_of_call(
         lowered = lower(*args, **kwargs)
     except RuntimeError as error:
         if target != LOCAL_TARGET and "Unknown backend" in str(error):
-            raise DevicelessUnavailableError(
-                f"jlms: the step calls back into Python (jax.debug.print, "
-                f"jax.debug.callback, jax.pure_callback or io_callback), and "
-                f"JAX lowers a callback only for a backend this process has: "
-                f"the step cannot be compiled for {target!r} without that GPU. "
-                f"Leave the callback out while planning (behind a flag of "
-                f"your own), or plan on the GPU itself"
-            ) from error
+            raise _calls_back(target, "JAX lowers a callback only for a "
+                              "backend this process has") from error
         raise
     key = None
     if target != LOCAL_TARGET and hasattr(lowered, "as_text"):
@@ -281,6 +275,12 @@ def xla_memory_of_call(
     try:
         compiled = lowered.compile()
     except Exception as error:
+        if (target != LOCAL_TARGET and isinstance(error, TypeError)
+                and "host_callbacks" in str(error)):
+            # On a machine with a GPU the callback lowers, and JAX hands
+            # it to the compile-only client, which takes none (0.11.2).
+            raise _calls_back(target, "JAX compiles a callback only for a "
+                              "device this process has") from error
         if target != LOCAL_TARGET and _names_missing_cuda_tool(str(error)):
             raise DevicelessUnavailableError(
                 f"Compiling for {target!r} needs ptxas and libdevice, which "
@@ -293,6 +293,17 @@ def xla_memory_of_call(
         if len(_COMPILED_MEMORY) > _CACHE_SIZE:
             _COMPILED_MEMORY.popitem(last=False)
     return memory
+
+
+def _calls_back(target: str, why: str) -> DevicelessUnavailableError:
+    """The error of a step with a host callback, which JAX cannot compile
+    for `target`'s compile-only devices, for the reason `why`."""
+    return DevicelessUnavailableError(
+        f"jlms: the step calls back into Python (jax.debug.print, "
+        f"jax.debug.callback, jax.pure_callback or io_callback), and {why}: "
+        f"the step cannot be compiled for {target!r} without that GPU. "
+        f"Leave the callback out while planning (behind a flag of your "
+        f"own), or plan on the GPU itself")
 
 
 # The module's name and the names JAX gives its arguments and results, which
