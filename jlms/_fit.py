@@ -734,19 +734,38 @@ def _out_of_reach_error(problem, timeline, budget, freeable) -> BudgetError:
       "above that")
   error.smallest_bytes = floor
   error.floor_only = True
+  return _with_advice(error, problem, timeline)
+
+
+def _host_budget_clause(problem) -> str:
+  """", or the host budget (...)" where the host budget turned copies
+  down, else empty."""
+  if not problem.host_budget_refused:
+    return ""
+  return (f", or the host budget ("
+          f"{format_bytes(int(problem.host_budget * problem.host_scale))} of "
+          "pinned host memory, which bounds what can be copied out)")
+
+
+def _with_advice(error: BudgetError, problem, timeline) -> BudgetError:
+  """`error` with its `advice`: what besides the budget would lower the
+  peak (a loop body's working memory, the host budget), for an error of
+  XLA's, which compiles the plans after the simulator, to repeat
+  (`jlms._search`)."""
+  loop = _loop_working_memory(problem, timeline)
+  error.advice = ("; by jlms's own count, " + loop.removeprefix(", and ")
+                  if loop else "") + _host_budget_clause(problem)
   return error
 
 
 def _smallest_error(problem, timeline, budget) -> BudgetError:
+  """The error of a budget below the least peak jlms reaches."""
+  loop = _loop_working_memory(problem, timeline)
+  host = _host_budget_clause(problem)
   error = BudgetError(
       f"jlms: the step does not fit a budget of {format_bytes(budget)}: the "
       f"smallest peak jlms reaches is {format_bytes(timeline.peak_bytes)} "
       f"(arguments and outputs {format_bytes(timeline.fixed_bytes)}"
-      f"{_loop_working_memory(problem, timeline)}); raise "
-      "the budget to at least that" + (
-          "" if not problem.host_budget_refused else
-          f", or the host budget ("
-          f"{format_bytes(int(problem.host_budget * problem.host_scale))} of "
-          "pinned host memory, which bounds what can be copied out)"))
+      f"{loop}); raise the budget to at least that{host}")
   error.smallest_bytes = timeline.peak_bytes
-  return error
+  return _with_advice(error, problem, timeline)

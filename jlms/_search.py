@@ -755,7 +755,7 @@ def _search_budget(request: SearchRequest, plain_peak,
                format_bytes(scaled))
       searched = scaled
       fitted, *others = _near(ranked_fits(request, searched))
-    simulator_refused = False
+    simulator_refused, advice = False, ""
   except BudgetError as error:
     if budget is None or error.smallest_bytes is None:
       raise
@@ -779,6 +779,7 @@ def _search_budget(request: SearchRequest, plain_peak,
     fitted = ranked[0]
     searched = fitted[2].timeline.peak_bytes
     simulator_refused = True
+    advice = getattr(error, "advice", "")
   placed, _, result = fitted
   as_it_is = _ways(request)[0].placed
   if (not result.offloads and placed is as_it_is and budget is None
@@ -824,7 +825,7 @@ def _search_budget(request: SearchRequest, plain_peak,
   if budget is not None:
     chosen = _confirmed(request, config, chosen, searched, plain_peak,
                         simulator_refused, others,
-                        last_placement=ask_xla_when_refused)
+                        last_placement=ask_xla_when_refused, advice=advice)
   return _planned(request, config, _with_latency_profile(request, chosen))
 
 
@@ -869,7 +870,7 @@ def _least_by_xla(request: SearchRequest, config, chosen: _Candidate,
 
 def _confirmed(request: SearchRequest, config, chosen: _Candidate, searched,
                plain_peak, simulator_refused, others=(),
-               last_placement: bool = True) -> _Candidate:
+               last_placement: bool = True, advice: str = "") -> _Candidate:
   """`chosen`, or while XLA's peak of it does not fit the budget, the
   next fastest of `others` (fits of other ways for the same budget), then
   a plan fitted again for less (at most `CONFIRMATIONS` compiles, then
@@ -919,7 +920,7 @@ def _confirmed(request: SearchRequest, config, chosen: _Candidate, searched,
           if least.measured <= budget:
             return least
       raise _refused(budget, target, plain_peak, least_peak, smallest,
-                     compiles)
+                     compiles, advice)
     others = list(others)
     if chosen.measured <= budget * (1 + _CLOSE_MISS) and tighter is None:
       others = []  # a tighter fit first, other ways in its ranking
@@ -1267,10 +1268,11 @@ def _near(ranked: list) -> list:
 
 
 def _refused(budget, target, plain_peak, least_peak, smallest,
-             compiles) -> BudgetError:
+             compiles, advice: str = "") -> BudgetError:
   """The error of a budget XLA finds no plan under. Its minimum is the
   smaller of jax.jit's program's peak and jlms's least-memory plan's: a
-  budget search for that much tries both, so it fits."""
+  budget search for that much tries both, so it fits. `advice`, the
+  simulator's own refusal's (`jlms._fit`), says what else lowers it."""
   minimum = least_peak if plain_peak is None else min(plain_peak, least_peak)
   as_it_is = ("" if plain_peak is None else
               f"{format_bytes(plain_peak)} for jax.jit's program and ")
@@ -1281,7 +1283,7 @@ def _refused(budget, target, plain_peak, least_peak, smallest,
       f"plan (XLA compiled {compiles} jlms "
       f"{'plan' if compiles == 1 else 'plans'}, the smallest peaking at "
       f"{format_bytes(smallest)}); raise the budget to at least "
-      f"{format_bytes(minimum)}")
+      f"{format_bytes(minimum)}{advice}")
   error.smallest_bytes = minimum
   error.least_by_xla = least_peak
   return error

@@ -20,7 +20,7 @@ from jlms._plan import format_bytes
 from jlms._program import flatten
 from jlms._simulator import simulate
 from jlms_tests.conftest import (F32_TOLERANCE, PLATFORM, compiled_as,
-                                 max_relative_error)
+                                 max_relative_error, plan_as_without_a_gpu)
 
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -448,7 +448,7 @@ def test_an_impossible_budget_names_a_smallest_peak_above_it(resnet):
   assert held_to <= smallest
 
 
-def test_the_least_memory_plans_peak_is_a_budget_that_fits():
+def test_the_least_memory_plans_peak_is_a_budget_that_fits(as_without_a_gpu):
   """A fit toward a budget stops where its greedy choices do; the
   least-memory plan may go lower. Its peak, asked for as a budget, fits
   (a scanned BatchNorm CNN at every pass's size: the fit for that budget
@@ -562,10 +562,13 @@ def test_the_tradeoff_reaches_the_least_memory_with_the_state_on_host():
   assert all(p.predicted_peak_bytes <= p.budget_bytes for p in fits)
 
 
-def test_a_budget_bounded_by_a_loop_body_names_the_loop():
+@pytest.mark.parametrize("target", [None, "h100"])
+def test_a_budget_bounded_by_a_loop_body_names_the_loop(target):
   # Gradient accumulation by a scan: each iteration runs a microbatch's
   # forward and backward pass inside the body, whose activations no plan
-  # around the loop touches. The error says so, and what lowers it.
+  # around the loop touches. The error says so, and what lowers it, also
+  # where XLA refuses the budget after the simulator (on a GPU, whose XLA
+  # confirms every plan, it said only XLA's peaks).
   def loss(params, x):
     for w in params:
       x = jax.numpy.tanh(x @ w)
@@ -584,7 +587,7 @@ def test_a_budget_bounded_by_a_loop_body_names_the_loop():
   with pytest.raises(jlms.BudgetError,
                      match=r"one iteration of the loop .*scan.* makes and "
                      r"drops inside its body.*fewer rows an iteration"):
-    jlms.offload(step, budget="8MiB").plan(params, xs)
+    jlms.offload(step, budget="8MiB", target=target).plan(params, xs)
 
 
 def test_a_host_budget_bounds_what_is_copied_out():
@@ -600,10 +603,12 @@ def test_a_host_budget_bounds_what_is_copied_out():
   assert 0 < bounded.predicted_host_bytes <= free.predicted_host_bytes // 2
   nothing = jlms.offload(case.step, budget="min", host_budget=1).plan(*args)
   assert nothing.predicted_host_bytes == 0 and nothing.recomputed
-  # Where it turns copies down, a budget not met says to raise it too.
-  with pytest.raises(jlms.BudgetError, match="or the host budget"):
-    jlms.offload(case.step, budget=nothing.predicted_peak_bytes // 2,
-                 host_budget=1, strict=True).plan(*args)
+  # Where it turns copies down, a budget not met says to raise it too,
+  # also where XLA refuses it after the simulator.
+  for target in (None, "h100"):
+    with pytest.raises(jlms.BudgetError, match="or the host budget"):
+      jlms.offload(case.step, budget=nothing.predicted_peak_bytes // 2,
+                   host_budget=1, strict=True, target=target).plan(*args)
 
 
 def test_where_xla_finds_far_less_than_the_simulator_the_state_stays_on_device(
@@ -630,12 +635,16 @@ def test_where_xla_finds_far_less_than_the_simulator_the_state_stays_on_device(
   case = models.gpt_case(layers=2, width=128, heads=4, seq=256, batch=8,
                          vocab=512, scan_layers=True)
   args = case.abstract_args()
-  least = jlms.offload(case.step, budget="min", donate_argnums=(0, 1),
-                       state_on_host=False).plan(*args)
-  budget = int(0.9 * least.predicted_peak_bytes)  # the simulator refuses it
-  with pytest.raises(jlms.BudgetError):
-    jlms.offload(case.step, budget=budget, donate_argnums=(0, 1),
-                 state_on_host=False).plan(*args)
+  with monkeypatch.context() as by_the_simulator:
+    # As on a CPU, by the simulator alone (a GPU's XLA, here the stand-in,
+    # would fit the budget below).
+    plan_as_without_a_gpu(by_the_simulator)
+    least = jlms.offload(case.step, budget="min", donate_argnums=(0, 1),
+                         state_on_host=False).plan(*args)
+    budget = int(0.9 * least.predicted_peak_bytes)  # the simulator refuses it
+    with pytest.raises(jlms.BudgetError):
+      jlms.offload(case.step, budget=budget, donate_argnums=(0, 1),
+                   state_on_host=False).plan(*args)
   compiled.clear()
   plan = jlms.offload(case.step, budget=budget, target="h100",
                       donate_argnums=(0, 1)).plan(*args)
@@ -774,14 +783,15 @@ def test_where_xla_refuses_a_placement_the_simulator_cannot_tighten_the_next_is_
       raise error
     return ranked_fits(request, searched, *args, **kwargs)
 
-  monkeypatch.setattr(_search, "xla_compiled",
-                      compiled_as(just_over_with_the_state_on_device))
-  monkeypatch.setattr(_search, "ranked_fits", no_tighter_plan)
   case = models.gpt_case(layers=2, width=256, heads=4, seq=64, batch=2,
                          vocab=512, scan_layers=True)
   args = case.abstract_args()
+  # Before the stand-ins: on a GPU its XLA confirms this plan.
   least = jlms.offload(case.step, budget="min", donate_argnums=(0, 1),
                        state_on_host=False).plan(*args)
+  monkeypatch.setattr(_search, "xla_compiled",
+                      compiled_as(just_over_with_the_state_on_device))
+  monkeypatch.setattr(_search, "ranked_fits", no_tighter_plan)
   budget = int(1.5 * least.predicted_peak_bytes)
   compiled.clear()
   with caplog.at_level(logging.INFO, logger="jlms"):
