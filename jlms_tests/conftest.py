@@ -203,6 +203,25 @@ def compiled_as(peak_of):
   return stand_in
 
 
+def plan_as_without_a_gpu(monkeypatch) -> None:
+  """Has jlms plan as on a machine without a GPU, through `monkeypatch` (a
+  fixture or one of its contexts): XLA confirms a plan only for a target
+  the step names or its arguments are placed on, never the local GPU's.
+  For tests whose budgets are the simulator's peaks (on a GPU its XLA
+  confirmed every plan, and refused some of those budgets)."""
+  from jlms import _search
+  confirm = _search.confirm_target
+  monkeypatch.setattr(
+      _search, "confirm_target",
+      lambda options, leaves=(), on_gpu=False: confirm(options, leaves))
+
+
+@pytest.fixture
+def as_without_a_gpu(monkeypatch):
+  """`plan_as_without_a_gpu` for the whole test."""
+  plan_as_without_a_gpu(monkeypatch)
+
+
 def max_relative_error(actual, expected) -> float:
   """Worst, over the leaves of two pytrees, of max|a - e| / max|e| (the
   normwise error of each leaf, so that exact zeros do not divide)."""

@@ -19,7 +19,7 @@ from jlms._loop_remat import loop_rematerializations, rematerialize_in_loops
 from jlms._loop_sink import loop_sinks, sink_into_loops
 from jlms._program import flatten
 from jlms._rewrite import rewrite
-from jlms_tests.conftest import F32_TOLERANCE, max_relative_error
+from jlms_tests.conftest import F32_TOLERANCE, PLATFORM, max_relative_error
 
 
 def _scanned_gpt():
@@ -198,7 +198,7 @@ def test_a_scan_that_passes_a_carry_through_is_sunk():
 
 
 @pytest.mark.parametrize("share", ["min", 0.0, 0.5, 0.9])
-def test_the_masking_decoder_plans_at_every_budget(share):
+def test_the_masking_decoder_plans_at_every_budget(share, as_without_a_gpu):
   # Every budget it can meet: the least memory, and budgets from the least
   # memory's predicted peak (share 0) to jax.jit's (share 1).
   step, args = _masking_decoder_step()
@@ -215,9 +215,11 @@ def test_the_masking_decoder_plans_at_every_budget(share):
   if share != "min":
     assert plan.predicted_peak_bytes <= budget
   # Elementwise: the key projection's bias has a zero gradient in exact
-  # arithmetic, so its leaf is rounding noise under any program.
+  # arithmetic, so its leaf is rounding noise under any program. On a GPU
+  # (TF32) gradients of 1e-5 differ by up to 1.8e-7 (an H200).
+  atol = 1e-7 if PLATFORM == "cpu" else 1e-6
   for actual, wanted in zip(jax.tree.leaves(outputs), expected):
-    np.testing.assert_allclose(actual, wanted, rtol=F32_TOLERANCE, atol=1e-7)
+    np.testing.assert_allclose(actual, wanted, rtol=F32_TOLERANCE, atol=atol)
 
 
 def test_a_loop_pass_that_fails_drops_its_ways_not_the_plan(monkeypatch, caplog):

@@ -590,7 +590,8 @@ def test_state_above_the_host_budget_is_refused_before_running():
   assert offload("1GiB").plan(*abstract).state_host_bytes == 6 * 64 * 64 * 4
 
 
-def test_a_host_budget_refused_names_the_host_memory_of_a_plan_that_fits():
+def test_a_host_budget_refused_names_the_host_memory_of_a_plan_that_fits(
+    as_without_a_gpu):
   # A four-layer MLP's Adam step at a budget near its least memory: the
   # placements of the state that put less of it on host do not fit the
   # device, so the first one refused for the host alone (256 KiB) is not
