@@ -83,6 +83,19 @@ class GpuTarget:
   #: stays under its memory limit; past it, it keeps each copy next to its
   #: wait. `jlms._schedule.scheduler_overlaps` says which, per program.
   streams_hide: bool = True
+  #: Whether a scan's residual streamed through host (a slice copied out
+  #: in the iteration that makes it, fetched back an iteration ahead of
+  #: the one that reads it) runs beside the iteration's kernels on a real
+  #: GPU. It does not, on an H200 with JAX 0.11.2: the 16-layer MLP under
+  #: `lax.scan` at `budget="min"` ran in 31.3 ms, jax.jit's 8.5 plus both
+  #: directions' 0.5 GiB at the link's full speed; priced beside the
+  #: kernels it was 20.9 ms, priced in line 29.7
+  #: (docs/benchmarks.md, "On a real GPU"). XLA's deviceless schedule
+  #: puts the slices beside the kernels (the schedule model: 21.0 ms);
+  #: on the GPU the layer's matmul or the kernel after it waits for the
+  #: copy out, and the copy back is a kernel that reads host memory.
+  #: False: each slice is waited for whole.
+  residual_streams_hide: bool = False
   #: Whether XLA's scheduler orders the program by jlms's latency profile
   #: of it (`jlms._latency_profile`): then a fused update loop's fetch for
   #: its first iteration runs under the kernels before the loop, and its

@@ -11,7 +11,9 @@ run; the equation that must find its buffer freed (`swap_out_done_before`,
 or the next one under `SyncMode.SWAP_OUT`) waits for it. A copy back starts
 where its swap-in is issued, not before its copy to host has ended; each read
 it serves waits for it. A recomputation runs its kernel where it is issued.
-Scan residuals streamed inside loops move one slice per iteration: a
+Scan residuals streamed inside loops move one slice per iteration, each
+waited for whole where the target's `residual_streams_hide` is False (a
+real GPU, measured). Where it is True (XLA's deviceless schedule), a
 slice fetched an iteration ahead, or copied out from the start of the
 iteration that reads it (a layer's input), runs beside the loop's own
 kernels, each engine apart, and the loop takes the longest of the three;
@@ -190,15 +192,19 @@ def predict_step_time(program: Program, liveness: Liveness,
   for residual in residuals:
     size = aval_nbytes(program.avals[residual.value])
     seconds = target.transfer_seconds(size)
+    hides = target.residual_streams_hide
     if residual.producer is not None:  # else on host before the step
-      if residual.ready_at_iteration_start:
+      if residual.ready_at_iteration_start and hides:
         beside[residual.producer][0] += seconds
       else:
         after[residual.producer] += seconds
       d2h += size
     for reader in residual.readers:
       # Fetched an iteration ahead (`jlms._loops.prefetching_reader`).
-      beside[reader][1] += seconds
+      if hides:
+        beside[reader][1] += seconds
+      else:
+        after[reader] += seconds
     h2d += size * len(residual.readers)
   for copy in state_copies:
     # Each direction has its engine. What a loop copies beside its own
