@@ -37,6 +37,7 @@ how many bytes of state each way, for the time model.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 from typing import Sequence
 
@@ -66,8 +67,22 @@ from jlms._update_loops import (CannotLoop, reads_on_device, update_loop,
 #   16 x 2048) is 60.85 GiB of the H100's 79.11: a plan fitted for 79.11
 #   GiB, 76.5 GiB by XLA after that pass, took 1117 ms by the schedule
 #   model, where a plan fitted under the pass's limit, 58.8 GiB, took 1038.
+def disabled_passes(xla_flags: str, *ours: str) -> str:
+  """The `xla_disable_hlo_passes` compile option that disables `ours` and
+  the passes that `xla_flags` (the `XLA_FLAGS` setting) disables: a
+  compile option of that name replaces the flag's list, so that a pass a
+  user turned off would otherwise run again under jlms."""
+  passes = list(ours)
+  for flag in xla_flags.split():
+    name, _, value = flag.partition("=")
+    if name.lstrip("-") == "xla_disable_hlo_passes":
+      passes += [p for p in value.split(",") if p]
+  return ",".join(dict.fromkeys(passes))
+
+
 FITTED_COMPILER_OPTIONS = types.MappingProxyType(
-    {"xla_disable_hlo_passes": "rematerialization"})
+    {"xla_disable_hlo_passes": disabled_passes(
+        os.environ.get("XLA_FLAGS", ""), "rematerialization")})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ from jlms._liveness import analyse
 from jlms._config import OffloadConfig
 from jlms._program import flatten
 from jlms._rewrite import rewrite
+from jlms._state import disabled_passes
 from jlms._units import format_bytes
 from jlms._xla_memory import hlo_computations
 
@@ -946,3 +947,19 @@ def test_a_placement_whose_state_alone_passes_the_budget_is_not_fitted(
                  and "fitting" in r.getMessage() for r in caplog.records)
   assert plan.state_leaves > 0
   assert plan.xla_peak_bytes <= budget
+
+
+def test_a_pass_the_users_xla_flags_disable_stays_disabled_under_jlms():
+  # jlms compiles a fitted plan with XLA's rematerialization off, through
+  # the compile option that replaces XLA_FLAGS' list of disabled passes:
+  # a pass the user had turned off there ran again (seen on an H200).
+  flags = ("--xla_dump_to=/tmp/dump "
+           "--xla_disable_hlo_passes=loop-schedule-linearizer,rematerialization")
+  assert disabled_passes("", "rematerialization") == "rematerialization"
+  passes = disabled_passes(flags, "rematerialization")
+  assert passes == "rematerialization,loop-schedule-linearizer"
+  # XLA takes the list as one compile option.
+  compiled = jax.jit(lambda x: jnp.tanh(x) * 2, compiler_options={
+      "xla_disable_hlo_passes": passes}).lower(jnp.ones(8)).compile()
+  np.testing.assert_allclose(compiled(jnp.ones(8)), np.tanh(1.0) * 2,
+                             rtol=1e-6)
