@@ -32,9 +32,11 @@
 set -uo pipefail
 OUT=${OUT:-out}
 
-# The lesser of a part's limit and what TOTAL_S leaves (30 s kept back).
+# The lesser of a part's limit and what TOTAL_S leaves (30 s kept back,
+# and the second argument's seconds more: a test tier's 20 s between its
+# SIGINT and SIGKILL); 1 where nothing is left.
 limit() {
-  local left=$(( ${TOTAL_S:-100000} - SECONDS - 30 ))
+  local left=$(( ${TOTAL_S:-100000} - SECONDS - 30 - ${2:-0} ))
   echo $(( $1 < left ? $1 : (left > 1 ? left : 1) ))
 }
 mkdir -p "$OUT"
@@ -62,7 +64,7 @@ hidden_step() {
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 "$@" \
     "$python" -m benchmarks.hidden_copies_gpu --only "$name" \
     --target "$target" --link --json "$OUT/$json.json" 2>&1 \
-    | grep -v profile_guided_latency_estimator | tee -a "$OUT/hidden_copies.log"
+    | grep --line-buffered -v profile_guided_latency_estimator | tee -a "$OUT/hidden_copies.log"
 }
 
 if [ "${HIDDEN_S:-0}" -gt 0 ]; then
@@ -97,7 +99,7 @@ PY
 fi
 
 echo "=== 3. the gpu tests"
-timeout -s INT -k 20 "$(limit "${GPU_TESTS_S:-150}")" env JAX_PLATFORMS=cuda,cpu \
+timeout -s INT -k 20 "$(limit "${GPU_TESTS_S:-150}" 20)" env JAX_PLATFORMS=cuda,cpu \
   "$python" -m pytest -m gpu -n 0 -p no:cacheprovider -rA --tb=short \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 
@@ -106,7 +108,7 @@ timeout -s INT -k 20 "$(limit "${GPU_TESTS_S:-150}")" env JAX_PLATFORMS=cuda,cpu
 # time limit.
 on_gpu() {
   local name=$1 marks=$2 limit=$3
-  timeout -s INT -k 20 "$(limit "$limit")" env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  timeout -s INT -k 20 "$(limit "$limit" 20)" env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false \
     "$python" -m pytest -m "$marks" -n "${WORKERS:-8}" -p no:cacheprovider \
     -rfE --tb=short --junitxml="$OUT/${name}_tests.xml" > "$OUT/${name}_tests.log" 2>&1
   echo "$name tier exit $?"

@@ -227,7 +227,12 @@ def main(argv=None) -> list[dict]:
     print_table(rows[-1:], COLUMNS)
     write_json(options.json, rows)
     if options.hlo is not None and kept is not None:
-      keep_program(name, *kept, options.hlo)
+      try:
+        keep_program(name, *kept, options.hlo)
+      except Exception as error:  # the row stands without its program
+        row["program_error"] = f"{type(error).__name__}: {str(error)[:400]}"
+        write_json(options.json, rows)
+    del kept  # its arguments are off the device before jax.jit's run
     if options.jit:
       rows.append(measure_jit(name, case, keywords, options.steps))
       print_table(rows[-1:], COLUMNS)

@@ -753,8 +753,9 @@ def _with_advice(error: BudgetError, problem, timeline) -> BudgetError:
   XLA's, which compiles the plans after the simulator, to repeat
   (`jlms._search`)."""
   loop = _loop_working_memory(problem, timeline)
-  error.advice = ("; by jlms's own count, " + loop.removeprefix(", and ")
-                  if loop else "") + _host_budget_clause(problem)
+  error.advice = _host_budget_clause(problem) + (
+      "; by jlms's own count, the peak holds "
+      + loop.removeprefix(", and ") if loop else "")
   return error
 
 

@@ -951,6 +951,7 @@ def _confirmed(request: SearchRequest, config, chosen: _Candidate, searched,
           error.smallest_bytes = smallest
           raise error from refused
         simulator_refused = True  # no smaller plan of this kind: say so
+        advice = getattr(refused, "advice", "") or advice
         continue
     chosen = _rewritten(request, config, fitted)
     chosen.measured = request.xla_peak(

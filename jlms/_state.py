@@ -53,6 +53,21 @@ from jlms._update_fusion import CannotFuse, fusable_run, fused_update_loop
 from jlms._update_loops import (CannotLoop, reads_on_device, update_loop,
                                 update_runs)
 
+
+def disabled_passes(xla_flags: str, *ours: str) -> str:
+  """The `xla_disable_hlo_passes` compile option that disables `ours` and
+  the passes that `xla_flags` (the `XLA_FLAGS` setting) disables: a
+  compile option of that name replaces the flag's list, so that a pass a
+  user turned off would otherwise run again under jlms. `XLA_FLAGS` is
+  read when jlms is imported, as XLA reads it when its backend starts."""
+  passes = list(ours)
+  for flag in xla_flags.split():
+    name, _, value = flag.partition("=")
+    if name.lstrip("-") == "xla_disable_hlo_passes":
+      passes += [p for p in value.split(",") if p]
+  return ",".join(dict.fromkeys(passes))
+
+
 # Compiler options for a program jlms fitted to a budget: XLA's own
 # rematerialization pass off. The plan fits its budget itself, and XLA
 # confirms its peak under these options; left on, the pass re-runs work to
@@ -67,19 +82,6 @@ from jlms._update_loops import (CannotLoop, reads_on_device, update_loop,
 #   16 x 2048) is 60.85 GiB of the H100's 79.11: a plan fitted for 79.11
 #   GiB, 76.5 GiB by XLA after that pass, took 1117 ms by the schedule
 #   model, where a plan fitted under the pass's limit, 58.8 GiB, took 1038.
-def disabled_passes(xla_flags: str, *ours: str) -> str:
-  """The `xla_disable_hlo_passes` compile option that disables `ours` and
-  the passes that `xla_flags` (the `XLA_FLAGS` setting) disables: a
-  compile option of that name replaces the flag's list, so that a pass a
-  user turned off would otherwise run again under jlms."""
-  passes = list(ours)
-  for flag in xla_flags.split():
-    name, _, value = flag.partition("=")
-    if name.lstrip("-") == "xla_disable_hlo_passes":
-      passes += [p for p in value.split(",") if p]
-  return ",".join(dict.fromkeys(passes))
-
-
 FITTED_COMPILER_OPTIONS = types.MappingProxyType(
     {"xla_disable_hlo_passes": disabled_passes(
         os.environ.get("XLA_FLAGS", ""), "rematerialization")})
