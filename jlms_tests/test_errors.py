@@ -70,6 +70,23 @@ def test_a_step_that_calls_back_says_why_it_cannot_be_compiled_deviceless():
     jlms.offload(step, target="h100").plan(*args)
 
 
+def test_a_callback_refused_by_the_compile_only_client_says_why(monkeypatch):
+  # On a machine with a GPU the callback lowers, and JAX 0.11.2 hands it
+  # to the H100's compile-only client, which takes no host callbacks: a
+  # TypeError from inside JAX, taken for a failure of jlms's own (a
+  # FallbackWarning asking for a report). Its compile is stood in for
+  # here, where the lowering itself refuses the callback.
+  def refuse_callbacks(lowered, *args, **kwargs):
+    raise TypeError("compile(): incompatible function arguments. Invoked "
+                    "with kwargs = { executable_devices: DeviceList, "
+                    "compile_options: CompileOptions, host_callbacks: tuple }")
+
+  monkeypatch.setattr(jax.stages.Lowered, "compile", refuse_callbacks)
+  with pytest.raises(jlms.DevicelessUnavailableError,
+                     match="calls back into Python.*'h100'.*plan on the GPU"):
+    jlms.xla_memory(lambda x: jnp.tanh(x), jnp.ones(8), target="h100")
+
+
 def test_a_nan_of_the_step_under_debug_nans_is_the_steps_error():
   # jax_debug_nans re-runs a program that made a NaN op by op; jlms took
   # JAX's internal error of that re-run for a failure of its own (a
