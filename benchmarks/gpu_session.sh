@@ -13,14 +13,16 @@
 #      GPU's target (LOCAL_TARGET, default h200) and for the H100, the GPTs
 #      for the H100 (so that their state goes to host); with PGLE_S also
 #      those named in PGLE_STEPS, planned for LOCAL_TARGET, again under
-#      JAX's profile-guided latency estimation;
+#      JAX's profile-guided latency estimation; with FLAGS_S also the MLP
+#      under each XLA_FLAGS setting of FLAG_VARIANTS (";"-separated; by
+#      default the three that docs/benchmarks.md's "On a real GPU" names);
 #   3. the `gpu` tests (jlms_tests/test_gpu.py) in one process;
 #   4. unless QUICK_S is 0, the rest of the quick tier with the GPU as JAX's
 #      default backend, on several processes that share the GPU (memory on
 #      demand);
 #   5. with SLOW_S set (seconds), the slow tier likewise.
 #
-# Each part has its own time limit (seconds: STEPS_S, HIDDEN_S, PGLE_S,
+# Each part has its own time limit (seconds: STEPS_S, HIDDEN_S, PGLE_S, FLAGS_S,
 # GPU_TESTS_S, QUICK_S, SLOW_S) and its log in $OUT, so that a part that
 # runs long leaves the others' work; with TOTAL_S set, no part runs past
 # TOTAL_S - 30 seconds from the start, so that the archive is still made
@@ -85,6 +87,18 @@ if [ "${HIDDEN_S:-0}" -gt 0 ]; then
         JAX_ENABLE_PGLE=true JAX_PGLE_PROFILING_RUNS=2 \
         XLA_FLAGS="--xla_dump_to=$OUT/pgle_dump_$i --xla_dump_hlo_as_text"
       find "$OUT/pgle_dump_$i" -type f ! -name '*after_optimizations.txt' -delete 2>/dev/null
+    done
+  fi
+  if [ "${FLAGS_S:-0}" -gt 0 ]; then
+    # The scanned MLP under XLA options that let its copies overlap in the
+    # deviceless program (docs/benchmarks.md, "On a real GPU"), or that
+    # take its weight slices off the streams its host copies use; each
+    # `XLA_FLAGS` setting of FLAG_VARIANTS is separated by ";".
+    IFS=';' read -ra variants <<< "${FLAG_VARIANTS:---xla_gpu_async_dot=true;--xla_disable_hlo_passes=loop-schedule-linearizer;--xla_disable_hlo_passes=dynamic-slice-copy-fusion-async-wrapper}"
+    for flags in "${variants[@]}"; do
+      i=$((i + 1))
+      hidden_step "scan MLP" "$local_target" "hidden_flags_$i" "$FLAGS_S" \
+        XLA_FLAGS="$flags" JLMS_HLO_DIR="$OUT/hlo_flags_$i"
     done
   fi
   "$python" - "$OUT" <<'PY'

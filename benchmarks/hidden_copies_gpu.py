@@ -127,7 +127,8 @@ def measure_jit(name, case, keywords, steps: int) -> dict:
   donated = keywords.get("donate_argnums", ())
   row = {"step": f"{name}, jax.jit", "device": device.device_kind,
          "jax": jax.__version__, "target": None,
-         "pgle": bool(jax.config.jax_enable_pgle), "error": None}
+         "pgle": bool(jax.config.jax_enable_pgle),
+         "xla_flags": os.environ.get("XLA_FLAGS", ""), "error": None}
   try:
     args = jax.block_until_ready(jax.jit(case.make_args)())
     _time_steps(row, jax.jit(case.step, donate_argnums=donated), args,
@@ -145,7 +146,8 @@ def measure(name, case, keywords, steps: int, target: str,
   pgle = bool(jax.config.jax_enable_pgle)
   profiling_runs = int(jax.config.jax_pgle_profiling_runs) if pgle else 0
   row = {"step": name, "device": device.device_kind, "jax": jax.__version__,
-         "target": target, "pgle": pgle, "error": None}
+         "target": target, "pgle": pgle,
+         "xla_flags": os.environ.get("XLA_FLAGS", ""), "error": None}
   # verify=False: its extra compiles of jax.jit's program cost minutes here.
   step = jlms.offload(case.step, **{**keywords, "target": target,
                                     "verify": False})
