@@ -734,7 +734,8 @@ def _out_of_reach_error(problem, timeline, budget, freeable) -> BudgetError:
       "above that")
   error.smallest_bytes = floor
   error.floor_only = True
-  return _with_advice(error, problem, timeline)
+  return _with_advice(error, problem,
+                      _loop_working_memory(problem, timeline))
 
 
 def _host_budget_clause(problem) -> str:
@@ -747,12 +748,11 @@ def _host_budget_clause(problem) -> str:
           "pinned host memory, which bounds what can be copied out)")
 
 
-def _with_advice(error: BudgetError, problem, timeline) -> BudgetError:
+def _with_advice(error: BudgetError, problem, loop: str) -> BudgetError:
   """`error` with its `advice`: what besides the budget would lower the
-  peak (a loop body's working memory, the host budget), for an error of
-  XLA's, which compiles the plans after the simulator, to repeat
-  (`jlms._search`)."""
-  loop = _loop_working_memory(problem, timeline)
+  peak (`loop`, the clause of a loop body's working memory, and the host
+  budget), for an error of XLA's, which compiles the plans after the
+  simulator, to repeat (`jlms._search`)."""
   error.advice = _host_budget_clause(problem) + (
       "; by jlms's own count, the peak holds "
       + loop.removeprefix(", and ") if loop else "")
@@ -769,4 +769,4 @@ def _smallest_error(problem, timeline, budget) -> BudgetError:
       f"(arguments and outputs {format_bytes(timeline.fixed_bytes)}"
       f"{loop}); raise the budget to at least that{host}")
   error.smallest_bytes = timeline.peak_bytes
-  return _with_advice(error, problem, timeline)
+  return _with_advice(error, problem, loop)

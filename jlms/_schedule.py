@@ -189,10 +189,10 @@ def predict_step_time(program: Program, liveness: Liveness,
   first_fetch = collections.defaultdict(float)
   last_write = collections.defaultdict(float)
   d2h = h2d = 0
+  hides = target.residual_streams_hide
   for residual in residuals:
     size = aval_nbytes(program.avals[residual.value])
     seconds = target.transfer_seconds(size)
-    hides = target.residual_streams_hide
     if residual.producer is not None:  # else on host before the step
       if residual.ready_at_iteration_start and hides:
         beside[residual.producer][0] += seconds
