@@ -249,7 +249,11 @@ def test_the_documented_example_prints_what_the_docs_show(
   monkeypatch.chdir(tmp_path)
   monkeypatch.syspath_prepend(str(tmp_path))
   assert main(argv) == 1  # as the docs say: nothing reaches the budget
-  printed = capsys.readouterr().err.strip()
+  # A busy machine takes more than `QUIET_S` to plan it, and progress
+  # lines come first; the docs show a quick machine's output.
+  printed = "\n".join(
+      line for line in capsys.readouterr().err.strip().splitlines()
+      if not line.startswith(("jlms: planning ", "jlms: planned ")))
   # The figures are JAX 0.12.0.1's (0.10.2's XLA peaks differ, as the
   # docs say); the words, and so the verdict, are the same everywhere.
   if jax.__version__.startswith("0.12."):
