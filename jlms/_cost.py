@@ -83,19 +83,28 @@ class GpuTarget:
   #: stays under its memory limit; past it, it keeps each copy next to its
   #: wait. `jlms._schedule.scheduler_overlaps` says which, per program.
   streams_hide: bool = True
-  #: Whether a scan's residual streamed through host (a slice copied out
-  #: in the iteration that makes it, fetched back an iteration ahead of
-  #: the one that reads it) runs beside the iteration's kernels on a real
-  #: GPU. It does not, on an H200 with JAX 0.11.2: the 16-layer MLP under
-  #: `lax.scan` at `budget="min"` ran in 31.3 ms, jax.jit's 8.5 plus both
-  #: directions' 0.5 GiB at the link's full speed; priced beside the
-  #: kernels it was 20.9 ms, priced in line 29.7
-  #: (docs/benchmarks.md, "On a real GPU"). XLA's deviceless schedule
-  #: puts the slices beside the kernels (the schedule model: 21.0 ms);
-  #: on the GPU the layer's matmul or the kernel after it waits for the
-  #: copy out, and the copy back is a kernel that reads host memory.
-  #: False: each slice is waited for whole.
-  residual_streams_hide: bool = False
+  #: Whether the host slices a loop moves beside its own kernels run
+  #: beside them on a real GPU: a scan's residual streamed through host (a
+  #: slice copied out in the iteration that makes it, fetched back an
+  #: iteration ahead of the one that reads it), and the state a fused
+  #: update loop fetches ahead and writes behind. They do not, on an H200
+  #: with JAX 0.11.2 (docs/benchmarks.md, "On a real GPU"):
+  #: - the 16-layer MLP under `lax.scan` at `budget="min"` ran in 31.3 ms,
+  #:   jax.jit's 8.5 plus both directions' 0.5 GiB at the link's full
+  #:   speed; priced beside the kernels it was 20.9 ms, priced in line
+  #:   29.7. On the GPU the layer's matmul or the kernel after it waits
+  #:   for the copy out, and the copy back is a kernel that reads host
+  #:   memory;
+  #: - the 4-layer GPT of width 4096 at 16 GiB (six moments' slices in its
+  #:   backward loop) ran in 538.5 ms: priced beside the kernels 381.1 ms
+  #:   (29% under), in line 545.4 (1.3% over); the 6.58B GPT (two
+  #:   moments) in 2209.5 ms: beside 1930.4 (13% under), in line 2567.9
+  #:   (16% over). In line is the nearer for both, and errs long.
+  #: XLA's deviceless schedule puts the slices beside the kernels (the
+  #: MLP by the schedule model: 21.0 ms). False: each slice is waited for
+  #: whole; a fused update loop's slices at its edges still hide where
+  #: `copies_profiled` says so.
+  loop_slices_hide: bool = False
   #: Whether XLA's scheduler orders the program by jlms's latency profile
   #: of it (`jlms._latency_profile`): then a fused update loop's fetch for
   #: its first iteration runs under the kernels before the loop, and its

@@ -11,14 +11,15 @@ run; the equation that must find its buffer freed (`swap_out_done_before`,
 or the next one under `SyncMode.SWAP_OUT`) waits for it. A copy back starts
 where its swap-in is issued, not before its copy to host has ended; each read
 it serves waits for it. A recomputation runs its kernel where it is issued.
-Scan residuals streamed inside loops move one slice per iteration, each
-waited for whole where the target's `residual_streams_hide` is False (a
-real GPU, measured). Where it is True (XLA's deviceless schedule), a
-slice fetched an iteration ahead, or copied out from the start of the
-iteration that reads it (a layer's input), runs beside the loop's own
-kernels, each engine apart, and the loop takes the longest of the three;
-a slice that the body makes goes out after its last kernel, and the loop
-waits for it whole, as it does for state streamed by the update loop.
+Scan residuals streamed inside loops, and state that an update fused into
+a loop fetches ahead and writes behind, move one slice per iteration, each
+waited for whole where the target's `loop_slices_hide` is False (a real
+GPU, measured). Where it is True (XLA's deviceless schedule), a slice
+fetched an iteration ahead, or copied out from the start of the iteration
+that reads it (a layer's input), runs beside the loop's own kernels, each
+engine apart, and the loop takes the longest of the three; a slice that
+the body makes goes out after its last kernel, and the loop waits for it
+whole, as it does for state streamed by the update loop.
 
 This is the same kind of model as the yardstick that prices XLA's compiled
 schedule (../shared/tools/step_time.py), applied before compiling, so the
@@ -189,7 +190,7 @@ def predict_step_time(program: Program, liveness: Liveness,
   first_fetch = collections.defaultdict(float)
   last_write = collections.defaultdict(float)
   d2h = h2d = 0
-  hides = target.residual_streams_hide
+  hides = target.loop_slices_hide
   for residual in residuals:
     size = aval_nbytes(program.avals[residual.value])
     seconds = target.transfer_seconds(size)
@@ -209,17 +210,21 @@ def predict_step_time(program: Program, liveness: Liveness,
   for copy in state_copies:
     # Each direction has its engine. What a loop copies beside its own
     # kernels (the update fused into the backward loop,
-    # `jlms._update_fusion._beside_kernels`) runs there; the rest is waited
-    # for after them. XLA waits for each slice's copy right after starting
+    # `jlms._update_fusion._beside_kernels`) runs there where the target's
+    # `loop_slices_hide` says so (XLA's deviceless schedule; a GPU waits
+    # for it); the rest is waited for after them. XLA waits for each slice's copy right after starting
     # it elsewhere, the fetch and the write-back one after the other,
     # except where an update loop runs one leaf's fetch beside another's
     # write-back (`serial_bytes`).
     if copy.to_device_beside or copy.to_host_beside:
-      beside[copy.index][0] += target.transfer_seconds(copy.to_host_beside)
-      beside[copy.index][1] += target.transfer_seconds(
-          copy.to_device_beside)
-      fetched = copy.to_device - copy.to_device_beside
-      written = copy.to_host - copy.to_host_beside
+      fetched, written = copy.to_device, copy.to_host
+      if hides:
+        beside[copy.index][0] += target.transfer_seconds(
+            copy.to_host_beside)
+        beside[copy.index][1] += target.transfer_seconds(
+            copy.to_device_beside)
+        fetched -= copy.to_device_beside
+        written -= copy.to_host_beside
       if target.copies_profiled:
         # The edges leave the loop's waits; the fetches it waits for
         # inside its body stay.

@@ -80,7 +80,7 @@ def test_a_slice_ready_at_its_iterations_start_hides_under_the_loop():
   assert forward < copy  # the link bounds this loop
 
   # As XLA's deviceless schedule runs the slices: beside the kernels.
-  deviceless = dataclasses.replace(H100, residual_streams_hide=True)
+  deviceless = dataclasses.replace(H100, loop_slices_hide=True)
 
   def exposed(residual, target=deviceless):
     return predict_step_time(program, liveness, seconds, (), target,
@@ -100,7 +100,7 @@ def test_a_slice_ready_at_its_iterations_start_hides_under_the_loop():
   assert exposed(carried, crowded) == pytest.approx(2 * copy)
   # Nor does a real GPU (an H200 ran the scanned MLP's slices in line
   # with its kernels): the targets' own model waits for each whole.
-  assert not H100.residual_streams_hide
+  assert not H100.loop_slices_hide
   assert exposed(carried, H100) == pytest.approx(2 * copy)
 
 
@@ -110,8 +110,10 @@ def test_a_fused_update_loops_copies_are_priced_beside_its_kernels():
   own = float(seconds[loop])
   stacks = int(0.5 * own * H100.link_bytes_per_s)  # half the loop's time
   edges = stacks // 8  # one slice of each, before and after the loop
+  # As XLA's deviceless schedule runs the slices: beside the kernels.
+  deviceless = dataclasses.replace(H100, loop_slices_hide=True)
 
-  def exposed(buffers, target=H100):
+  def exposed(buffers, target=deviceless):
     fetched, written = _beside_kernels(buffers, stacks)
     copy = StateCopy(loop, stacks + edges, stacks + edges,
                      to_device_beside=fetched, to_host_beside=written,
@@ -120,26 +122,34 @@ def test_a_fused_update_loops_copies_are_priced_beside_its_kernels():
                              state_copies=(copy,)).exposed_transfer_s
 
   edge = H100.transfer_seconds(edges)
+  whole = 2 * H100.transfer_seconds(stacks + edges)  # both ways, in line
   # A weight's two moments: only the slices at the loop's edges wait.
   assert exposed(2) == pytest.approx(2 * edge)
   # More buffers: XLA waits for about half of the fetches' time too.
   assert exposed(4) == pytest.approx(
       2 * edge + H100.transfer_seconds(stacks - stacks // 2))
   # Where XLA's scheduler has no room, nothing hides.
-  crowded = dataclasses.replace(H100, streams_hide=False)
-  assert exposed(2, crowded) == pytest.approx(
-      2 * H100.transfer_seconds(stacks + edges))
+  crowded = dataclasses.replace(deviceless, streams_hide=False)
+  assert exposed(2, crowded) == pytest.approx(whole)
+  # Nor on a real GPU (an H200 ran the 4-layer GPT's moments' slices in
+  # line with its backward loop): the targets' own model waits for each.
+  assert exposed(2, H100) == pytest.approx(whole)
   # Under a latency profile of its copies, the slice fetched before the
   # loop hides under the kernels before it, the one written back after it
   # under those after it, each up to their seconds.
-  profiled = dataclasses.replace(H100, copies_profiled=True)
   before, after = float(seconds[:loop].sum()), float(seconds[loop + 1:].sum())
   hidden = max(0.0, edge - before) + max(0.0, edge - after)
+  for target in (deviceless, H100):
+    profiled = dataclasses.replace(target, copies_profiled=True)
+    assert exposed(2, profiled) < exposed(2, target)
+  profiled = dataclasses.replace(deviceless, copies_profiled=True)
   assert exposed(2, profiled) == pytest.approx(hidden)
-  assert exposed(2, profiled) < exposed(2)
   # The fetches waited for inside the loop's body still wait.
   assert exposed(4, profiled) == pytest.approx(
       hidden + H100.transfer_seconds(stacks - stacks // 2))
+  # On the GPU, so do all the slices between the edges.
+  assert exposed(2, dataclasses.replace(H100, copies_profiled=True)) == (
+      pytest.approx(hidden + 2 * H100.transfer_seconds(stacks)))
 
 
 def test_kernels_a_loop_does_not_read_may_follow_it():
