@@ -86,6 +86,24 @@ from jax._src.lax.lax import optimization_barrier_p  # noqa: E402
 barrier_p = optimization_barrier_p
 scan_p = _prims.scan_p
 
+# Not in `jax.extend` (0.10.2 to 0.12): which effects JAX orders (threads
+# a token through). Read by feature: a JAX without the set orders none that
+# jlms can tell.
+from jax._src import effects as _effects  # noqa: E402
+_ORDERED_EFFECTS = getattr(_effects, "ordered_effects", None)
+
+
+def has_ordered_effect(eqn) -> bool:
+  """Whether `eqn` (a nested call or loop: anything in its bodies) has an
+  ordered effect: an `io_callback` or a `jax.debug.print` with
+  `ordered=True`. JAX (0.10.2 to 0.12) fails to lower a program with one
+  where any of its values has a memory kind ("safe_zip() argument 1 has
+  length ...": the effect's token is not zipped with the kinds)."""
+  if _ORDERED_EFFECTS is None:
+    return False
+  return bool(_ORDERED_EFFECTS.filter_in(eqn.effects))
+
+
 def primitives_named(*names: str) -> tuple:
   """The primitive objects of `names` (without the `_p` suffix) that this
   JAX has; a name it lacks is skipped rather than matched by string."""

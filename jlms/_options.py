@@ -38,6 +38,9 @@ class SearchOptions:
   host_budget: Any
   state_on_host: bool | None
   name: str  # the step's, for messages
+  #: Why no value of the step may be kept in host memory (empty: it may):
+  #: then the plan keeps the state on the device and copies nothing out.
+  host_refused: str = ""
 
   def budget_bytes(self, target: str | None) -> int | None:
     """The budget in bytes per device; None for "as little as jlms can"
@@ -55,7 +58,10 @@ class SearchOptions:
     """Pinned host memory the plan may hold at once, per device:
     `host_budget` if given, else XLA's pinned pool for each GPU
     (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` GiB, 64 by default), and on a
-    `local` GPU never more than the memory this machine has available."""
+    `local` GPU never more than the memory this machine has available;
+    none where `host_refused` says why."""
+    if self.host_refused:
+      return 0
     if self.host_budget is not None:
       return parse_host_budget(self.host_budget)
     limit = host_pool_bytes()

@@ -28,6 +28,7 @@ import jax
 from jlms import _compat
 from jlms._analysed import (AnalysedProgram, PlannedStep, PlanNeeded, failed,
                             knobs_applied, predicted_baseline)
+from jlms._budget import BudgetError
 from jlms._arguments import (SplitArguments, host_positions, split_arguments,
                              traceable)
 from jlms._fallback import raise_unless_fallback_allowed, warn_fallback
@@ -162,12 +163,28 @@ class StepPlanner:
     request = self.search_request(plain, jit_params, debug_info, leaves,
                                    out_trees, donated, arrived_on_host,
                                    progress)
+    refused = request.options.host_refused
+    if refused and (self.options.budget is KNOBS
+                    or self.options.state_on_host):
+      asked = ("TFLMS's knobs copy values to host" if self.options.budget
+               is KNOBS else "state_on_host=True keeps the state there")
+      raise ValueError(
+          f"jlms.offload({self.name}): {asked}, but {refused}. Pass "
+          f"ordered=False to the callback, or plan under a budget without "
+          f"state_on_host=True: jlms then remakes values instead")
     if self.options.budget is KNOBS:
       analysis = knobs_applied(plain, request.baseline, jit_params,
                                debug_info, out_trees, self.options.config,
                                request.time, request.link_shardings)
     else:
-      analysis = fit_budget(request)
+      try:
+        analysis = fit_budget(request)
+      except BudgetError as error:
+        if refused:
+          error.args = (f"{error}; nothing was copied to host, since "
+                        f"{refused} (ordered=False lifts that)",
+                        *error.args[1:])
+        raise
     analysis = dataclasses.replace(analysis, plain=plain)
     if analysis.plan is not None and treedef is not None:
       analysis = dataclasses.replace(analysis, plan=_with_kinds(
@@ -179,9 +196,14 @@ class StepPlanner:
                       out_trees, donated=(), arrived_on_host=(),
                       progress=None) -> SearchRequest:
     """What `jlms._search` fits for the step traced and analysed as
-    `plain`."""
+    `plain`: with nothing in host memory where its program has an ordered
+    effect."""
+    options = self.options
+    refused = host_refused(plain.program)
+    if refused:
+      options = dataclasses.replace(options, host_refused=refused)
     return SearchRequest(
-        self.options, plain, predicted_baseline(plain), jit_params,
+        options, plain, predicted_baseline(plain), jit_params,
         debug_info, tuple(leaves), out_trees, tuple(donated),
         tuple(arrived_on_host), self._ways,
         progress or Progress(self.name),
@@ -214,6 +236,20 @@ class StepPlanner:
     traced = jax.jit(signature_only, **options).trace(*args, **kwargs)
     return tuple(i for i, info in enumerate(jax.tree.leaves(traced.args_info))
                  if info.donated)
+
+
+def host_refused(program) -> str:
+  """Why `program` may keep no value in host memory (empty: it may): its
+  ordered effects, which JAX cannot lower beside memory kinds."""
+  names = list(dict.fromkeys(
+      equation.readable_name() for equation in program.equations
+      if _compat.has_ordered_effect(equation.eqn)))
+  if not names:
+    return ""
+  shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+  return (f"the step has an ordered effect ({shown}: an io_callback or "
+          f"jax.debug.print with ordered=True), and JAX cannot compile one "
+          f"in a program that keeps values in host memory")
 
 
 def _argument_names(program, treedef, leaves) -> dict:

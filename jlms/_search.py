@@ -554,7 +554,7 @@ def state_levels(request: SearchRequest) -> list:
   # in-place writes); for the least memory, instead of it.
   fused = dataclasses.replace(plain, state=HostState((), (), pairs))
   on_device = [fused] if budget is None else [plain, fused]
-  if options.state_on_host is False:
+  if options.state_on_host is False or options.host_refused:
     return on_device
   on_host = [(i, o) for i, o in pairs if i in request.arrived_on_host]
   if on_host:  # placed there (by `place`, or by a step): they stay

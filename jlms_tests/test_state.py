@@ -968,3 +968,59 @@ def test_a_pass_the_users_xla_flags_disable_stays_disabled_under_jlms():
       env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"},
       capture_output=True, text=True, check=True)
   assert shown.stdout.split() == [passes]
+
+
+def _logging_step(ordered: bool):
+  """A donating SGD step of a 3-layer MLP that logs its loss through an
+  `io_callback`, `ordered` or not, and its arguments."""
+  from jax.experimental import io_callback
+  logged = []
+
+  def step(weights, x):
+    def loss_fn(weights):
+      h = x
+      for w in weights:
+        h = jnp.tanh(h @ w)
+      return jnp.mean(h ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(weights)
+    io_callback(lambda v: logged.append(float(v)) or np.float32(0),
+                jax.ShapeDtypeStruct((), jnp.float32), loss, ordered=ordered)
+    return [w - 0.1 * g for w, g in zip(weights, grads)], loss
+
+  weights = [jax.random.normal(jax.random.key(i), (256, 256)) * 0.1
+             for i in range(3)]
+  return step, (weights, jax.random.normal(jax.random.key(9), (64, 256)))
+
+
+def test_a_step_with_an_ordered_callback_keeps_nothing_in_host_memory():
+  # JAX (0.10.2 to 0.12) cannot lower a program with an ordered effect and
+  # values in host memory ("safe_zip() argument 1 has length ..."): the
+  # least memory of such a step keeps its state on the device, and runs.
+  unordered, args = _logging_step(ordered=False)
+  assert jlms.offload(unordered, donate_argnums=0, budget="min",
+                      min_bytes=_LEAF).plan(*args).state_leaves == 3
+  step, args = _logging_step(ordered=True)
+  expected = jax.jit(step)(_copy(args[0]), args[1])
+  offloaded = jlms.offload(step, donate_argnums=0, budget="min",
+                           min_bytes=_LEAF, strict=True)
+  assert offloaded.plan(*args).state_leaves == 0
+  got = offloaded(_copy(args[0]), args[1])
+  _assert_close(got[0], expected[0])
+  np.testing.assert_allclose(float(got[1]), float(expected[1]), rtol=1e-6)
+  # A budget that needs more than remaking says why nothing went to host.
+  with pytest.raises(jlms.BudgetError, match="nothing was copied to host, "
+                     "since the step has an ordered effect"):
+    jlms.offload(step, donate_argnums=0, budget=300_000,
+                 min_bytes=_LEAF).plan(*args)
+
+
+@pytest.mark.parametrize("options", [
+    dict(budget="min", state_on_host=True),
+    dict(min_bytes=_LEAF, swapout_threshold=2)])
+def test_host_memory_asked_of_a_step_with_an_ordered_callback_is_refused(
+    options):
+  step, args = _logging_step(ordered=True)
+  offloaded = jlms.offload(step, donate_argnums=0, strict=True, **options)
+  with pytest.raises(jlms.OffloadError,
+                     match="ordered effect .*io_callback.*ordered=False"):
+    offloaded.plan(*args)
