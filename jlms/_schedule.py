@@ -126,6 +126,70 @@ def _kernels_free_to_follow(program: Program, liveness: Liveness,
       sum(kernel_s[k] for k in ancestors))
 
 
+def remade_seconds(program: Program, liveness: Liveness, together,
+                   target: GpuTarget, memo: dict | None = None) -> float:
+  """Seconds of remaking `together` ((chain, value) pairs remade before one
+  equation, in the order they were chosen) at once: what their chains
+  share runs once. `memo`, a dict kept by the caller, holds each group's
+  price across calls on the same program and target."""
+  key = tuple(together)
+  if not key:
+    return 0.0
+  cost = None if memo is None else memo.get(key)
+  if cost is None:
+    cost = sum(recompute_seconds_together(program, liveness, key, target))
+    if memo is not None:
+      memo[key] = cost
+  return cost
+
+
+def remade_groups_with(groups: dict, offload) -> dict:
+  """`groups` (equation -> the recomputations remade before it, in the
+  order chosen) with `offload` added last: those of its swap-ins, where it
+  is a recomputation."""
+  if not offload.is_recompute:
+    return groups
+  groups = dict(groups)
+  for swap_in in offload.swap_ins:
+    groups[swap_in.issue_before] = groups.get(swap_in.issue_before, ()) + (
+        (offload.recompute, offload.value),)
+  return groups
+
+
+def with_offload_added(step_time: StepTime, program: Program,
+                       liveness: Liveness, offload, target: GpuTarget,
+                       groups: dict, memo: dict | None = None) -> StepTime:
+  """What `predict_step_time` gives for some offloads and `offload` added
+  last, from `step_time`, its figure for those offloads (without `walk`),
+  and `groups`, their recomputations by place (`remade_groups_with`); on
+  a target whose `hides_copies` is False, where each copy is exposed whole
+  and a recomputation adds only to its own place's group. In the time of
+  the offload's own group, not of every offload chosen: the greedy fit
+  prices a few trials a round, thousands of rounds on a deep step."""
+  if target.hides_copies:
+    raise ValueError("with_offload_added prices steps whose copies are "
+                     "exposed whole; a target that hides copies needs "
+                     "predict_step_time's walk")
+  if offload.is_recompute:
+    added = 0.0
+    for index, together in remade_groups_with({}, offload).items():
+      before = groups.get(index, ())
+      added += (remade_seconds(program, liveness, before + together, target,
+                               memo)
+                - remade_seconds(program, liveness, before, target, memo))
+    return dataclasses.replace(step_time,
+                               recompute_s=step_time.recompute_s + added)
+  size = liveness.nbytes[offload.value]
+  ins = len(offload.swap_ins)
+  out = int(offload.swap_out_after < len(program))  # as the walk's events
+  return dataclasses.replace(
+      step_time,
+      exposed_transfer_s=(step_time.exposed_transfer_s
+                          + target.transfer_seconds(size) * (ins + out)),
+      d2h_bytes=step_time.d2h_bytes + size * out,
+      h2d_bytes=step_time.h2d_bytes + size * ins)
+
+
 def predict_step_time(program: Program, liveness: Liveness,
                       kernel_s: np.ndarray, offloads=(), target: GpuTarget
                       = None, sync_mode: SyncMode = SyncMode.SWAP_OUT,
@@ -153,13 +217,7 @@ def predict_step_time(program: Program, liveness: Liveness,
       remade_before[swap_in.issue_before].append(
           (offload.recompute, offload.value))
   for index, together in remade_before.items():
-    key = tuple(together)
-    cost = None if remade_memo is None else remade_memo.get(key)
-    if cost is None:
-      cost = sum(recompute_seconds_together(program, liveness, together,
-                                            target))
-      if remade_memo is not None:
-        remade_memo[key] = cost
+    cost = remade_seconds(program, liveness, together, target, remade_memo)
     recomputes[index] += cost
     recompute_total += cost
   for number, offload in enumerate(offloads):

@@ -74,3 +74,36 @@ def test_a_budget_below_the_floor_at_the_peak_is_refused_there(step):
   assert error.smallest_bytes <= least.timeline.peak_bytes
   assert "however many of the values live there" in str(error)
   assert "(equation " in str(error)
+
+
+def test_a_trial_priced_from_the_last_step_time_is_priced_as_a_whole(step):
+  # The greedy fit prices each round's trials from the step time of the
+  # choices before (`jlms._schedule.with_offload_added`); choice by
+  # choice, that is the figure of the whole plan.
+  from jlms._config import SyncMode
+  from jlms._cost import kernel_seconds
+  from jlms._schedule import (predict_step_time, remade_groups_with,
+                              with_offload_added)
+  least = _fit(step, None)
+  program, liveness, target = step.program, step.liveness, time_target("h100")
+  kernel_s = kernel_seconds(program, target, step.fusion, liveness)
+  memo = {}
+
+  def whole(offloads):
+    return predict_step_time(program, liveness, kernel_s, tuple(offloads),
+                             target, SyncMode.NONE, remade_memo=memo)
+
+  chosen, groups, priced = [], {}, whole(())
+  for offload in least.offloads:
+    priced = with_offload_added(priced, program, liveness, offload, target,
+                                groups, memo)
+    chosen.append(offload)
+    groups = remade_groups_with(groups, offload)
+    expected = whole(chosen)
+    assert priced.recompute_s == pytest.approx(expected.recompute_s,
+                                               rel=1e-9, abs=1e-15)
+    assert priced.exposed_transfer_s == pytest.approx(
+        expected.exposed_transfer_s, rel=1e-9, abs=1e-15)
+    assert (priced.d2h_bytes, priced.h2d_bytes) == (expected.d2h_bytes,
+                                                    expected.h2d_bytes)
+  assert {o.is_recompute for o in least.offloads} == {True, False}
