@@ -28,9 +28,9 @@ import jax
 from jlms import _compat
 from jlms._analysed import (AnalysedProgram, PlannedStep, PlanNeeded, failed,
                             knobs_applied, predicted_baseline)
-from jlms._budget import BudgetError
 from jlms._arguments import (SplitArguments, host_positions, split_arguments,
                              traceable)
+from jlms._budget import BudgetError
 from jlms._fallback import raise_unless_fallback_allowed, warn_fallback
 from jlms._liveness import aval_nbytes
 from jlms._program import flatten
