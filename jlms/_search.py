@@ -39,8 +39,9 @@ from jlms._budget import BudgetError, host_pool_advice, parse_budget
 from jlms._config import SyncMode
 from jlms._cost import time_target
 from jlms._fit import Fitter
-from jlms._latency_profile import (PROFILE_OPTION, latency_profile,
-                                   schedule_of, write_profile)
+from jlms._latency_profile import (PROFILE_CHECK_OFF, PROFILE_OPTION,
+                                   latency_profile, schedule_of,
+                                   write_profile)
 from jlms._liveness import aval_nbytes
 from jlms._plan import build_plan
 from jlms._options import DEVICE, SearchOptions
@@ -1040,7 +1041,8 @@ def _with_latency_profile(request: SearchRequest, chosen: _Candidate
   profile = latency_profile(text, request.time)
   if profile is None:
     return chosen
-  options = {**chosen.compiler_options, PROFILE_OPTION: write_profile(profile)}
+  options = {**chosen.compiler_options, **PROFILE_CHECK_OFF,
+             PROFILE_OPTION: write_profile(profile)}
   try:
     measured = request.xla_peak(chosen.rewritten, request.plain.state.inputs,
                                 options=options)
