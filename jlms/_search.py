@@ -374,9 +374,16 @@ def fit_budget(request: SearchRequest) -> PlannedStep:
   target = confirm_target(options, request.leaves, request.on_gpu)
   budget = options.budget_bytes(target)
   if options.budget is DEVICE and budget is None:
-    log.info("jlms: no GPU here and no target named: the step runs as "
-             "jax.jit's program")
-    return request.as_is(None, None)
+    if not (options.state_on_host and request.donated):
+      log.info("jlms: no GPU here and no target named: the step runs as "
+               "jax.jit's program")
+      return request.as_is(None, None)
+    # The state on host was asked for, with no device to fit: it goes
+    # there, and the rest of the step stays as jax.jit's (a budget of
+    # jax.jit's own peak, by the simulator).
+    budget = request.baseline.peak_bytes
+    log.info("jlms: no GPU here and no target named: the state goes to "
+             "host as asked, and nothing else is fitted")
   avals = tuple(plain.program.avals[v] for v in plain.program.invars)
   request = dataclasses.replace(
       request, target=target, budget=budget, avals=avals,

@@ -1024,3 +1024,30 @@ def test_host_memory_asked_of_a_step_with_an_ordered_callback_is_refused(
   with pytest.raises(jlms.OffloadError,
                      match="ordered effect .*io_callback.*ordered=False"):
     offloaded.plan(*args)
+
+
+def test_state_asked_on_host_with_no_device_to_fit_goes_there(monkeypatch):
+  """`state_on_host=True` on a machine without a GPU and without
+  `target=`: there is no device budget to fit, but the state still lives
+  on host as asked (it ran as jax.jit's, all of it on the device, with
+  only a log line to say so), the step's values are kept as jax.jit's
+  are, and the outputs equal jax.jit's."""
+  # (`min_bytes` without a budget would ask for TFLMS's knobs.)
+  monkeypatch.setattr(_thresholds, "THRESHOLDS", dataclasses.replace(
+      _thresholds.THRESHOLDS, state_leaf_min_bytes=_LEAF))
+  _, train_step, args = _small_state_step()
+  step = jlms.offload(train_step, donate_argnums=0, state_on_host=True)
+  placed = step.place(*_copy(args))
+  assert "pinned_host" in _kinds(placed[0])
+  plan = step.plan(*placed)
+  assert plan.state_leaves > 0 and plan.state_host_bytes > 0
+  assert plan.offloaded_bytes == 0 and not plan.recomputed
+  expected_state, state = _copy(args[0]), placed[0]
+  for _ in range(STEPS):
+    state, loss = step(state, *args[1:])
+    expected_state, expected_loss = jax.jit(train_step)(
+        expected_state, *args[1:])
+    np.testing.assert_allclose(float(loss), float(expected_loss), rtol=1e-5)
+  assert "pinned_host" in _kinds(state)
+  _assert_close(state.params, expected_state.params)
+  _assert_close(state.opt_state, expected_state.opt_state)
