@@ -489,7 +489,10 @@ def _search_levels(request: SearchRequest, levels, plain_peak
                  "much: none is tried", error)
         raise
       following = levels[number + 1].state
-      if following:
+      if budget is None and hasattr(error, "host_bytes"):
+        log.warning("%s; the least-memory plan keeps the state on the "
+                    "device instead", error)
+      elif following:
         log.info("jlms: %s; trying with %d state leaves (%s) on host",
                  error, len(following.inputs),
                  format_bytes(_state_bytes(levels[number + 1])))
@@ -579,8 +582,13 @@ def state_levels(request: SearchRequest) -> list:
                   "(of the same shape and dtype): no state to keep on host",
                   options.name)
     return on_device
-  if options.state_on_host or budget is None:
+  if options.state_on_host:
     return [dataclasses.replace(plain, state=everything)]
+  if budget is None:
+    # The least memory: all of the state on host, or where the host
+    # budget refuses that, on the device (a step given a host budget of
+    # 1000 bytes had no plan at all).
+    return [dataclasses.replace(plain, state=everything), fused]
   levels = list(on_device)
   # The optimizer's moments cross the link once each way: the largest
   # first, as many as the budget needs (what stays on the device costs

@@ -594,6 +594,36 @@ def test_state_above_the_host_budget_is_refused_before_running():
   assert offload("1GiB").plan(*abstract).state_host_bytes == 6 * 64 * 64 * 4
 
 
+def test_the_least_memory_keeps_the_state_on_the_device_past_the_host_budget(
+    caplog):
+  """`budget="min"` puts all of the state on host; where the host budget
+  refuses that (found by fuzzing: 1000 bytes, and no plan at all), the
+  least-memory plan keeps it on the device, with a warning that says
+  what the host would need, and it still takes less memory than
+  jax.jit's program."""
+  def step(params, x):
+    def loss_fn(params):
+      h = jnp.tanh(x @ params["w1"])
+      return jnp.mean((jnp.tanh(h @ params["w2"]) @ params["w3"] - x) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+  params = {name: jnp.full((128, 128), 0.01) for name in ("w1", "w2", "w3")}
+  x = jnp.linspace(-1, 1, 8 * 16 * 128).reshape(8, 16, 128)
+  offloaded = jlms.offload(step, budget="min", host_budget=1000,
+                           donate_argnums=0)
+  with caplog.at_level("WARNING", logger="jlms"):
+    plan = offloaded.plan(_copy(params), x)
+  assert "keeps the state on the device" in caplog.text
+  assert "above the host budget of 1000 B" in caplog.text
+  assert plan.state_leaves == 0
+  assert plan.predicted_peak_bytes < plan.baseline_peak_bytes
+  new_params, loss = offloaded(_copy(params), x)
+  expected_params, expected_loss = jax.jit(step)(_copy(params), x)
+  np.testing.assert_allclose(float(loss), float(expected_loss), rtol=1e-5)
+  _assert_close(new_params, expected_params)
+
+
 def test_a_host_budget_refused_names_the_host_memory_of_a_plan_that_fits(
     as_without_a_gpu):
   # A four-layer MLP's Adam step at a budget near its least memory: the
