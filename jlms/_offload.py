@@ -238,8 +238,9 @@ class OffloadedStep:
     """The call's arguments in the memory that the program for them takes
     them from (`place`): the state that the plan keeps on host in pinned
     host memory, everything else on the device. Arguments that arrive
-    elsewhere are copied first (the caller's arrays stay valid), with one
-    warning per signature that says what it costs: state arriving on the
+    elsewhere are copied first, with one warning per signature that says
+    what it costs (state copied to host is donated: the caller's device
+    arrays are deleted, as jax.jit deletes donated ones): state arriving on the
     device, or state that another plan (another batch's shape, another
     `jlms.offload` of the step) returned on host where this plan keeps it
     on the device. Not left to JAX: a compiled program that donates an
@@ -266,6 +267,12 @@ class OffloadedStep:
       if to_device:
         self._warn_state_on_host([leaves[i] for i in to_device])
     placed = self.place(*args, **kwargs)
+    for i in to_host:
+      # Donated, as jax.jit donates them: the caller's device copy is not
+      # kept beside the host one (it would hold the state's bytes on the
+      # device the whole step), and using it again gets JAX's error.
+      if isinstance(leaves[i], jax.Array) and not leaves[i].is_deleted():
+        leaves[i].delete()
     return (placed, {}) if not kwargs else placed
 
   def _given_back(self, out, args, kwargs):
@@ -328,7 +335,8 @@ class OffloadedStep:
         f"jlms.offload({self._name}) keeps {len(analysis.state.inputs)} "
         f"state leaves in pinned host memory between steps, but "
         f"{len(arrived)} of them ({self._copy_cost(arrived)}) arrived on the "
-        f"device: they are copied to host first and the step returns the "
+        f"device: they are copied to host first (the arrays passed are "
+        f"donated, as jax.jit donates them) and the step returns the "
         f"state on host. Place the state once before the first step with "
         "`step.place(...)`", StateOnDeviceWarning, stacklevel=4)
 

@@ -326,10 +326,16 @@ def test_gpt_outputs_equal_jit_over_steps_with_state_on_host(gpt_on_host):
 def test_state_arriving_on_device_is_placed_with_one_warning(gpt_on_host):
   case, step = gpt_on_host
   args = case.make_args()
+  arrived = _copy(args)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    (params, opt_state), _ = step(*_copy(args))
+    (params, opt_state), _ = step(*arrived)
     step(*_copy(args))  # the same signature: no second warning
+  # Donated, as jax.jit donates them: the device copies are gone (they
+  # were kept beside the host ones, and could be used again).
+  assert all(leaf.is_deleted()
+             for leaf in jax.tree.leaves((arrived[0], arrived[1])))
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(arrived[2]))
   state_warnings = [w for w in caught
                     if issubclass(w.category, jlms.StateOnDeviceWarning)]
   assert len(state_warnings) == 1
