@@ -65,10 +65,17 @@ def parse_budget(budget, device_bytes=None) -> int:
   device's memory, called only for a percentage)."""
   if isinstance(budget, bool):
     raise TypeError(f"jlms: budget must be bytes or a string, got {budget!r}")
+  if isinstance(budget, (float, np.floating)) and (
+      np.isfinite(budget) and float(budget).is_integer()):
+    budget = int(budget)  # bytes written as 2e9
   if isinstance(budget, (int, np.integer)):
     if budget <= 0:
       raise ValueError(f"jlms: budget must be positive, got {budget}")
     return int(budget)
+  if isinstance(budget, (float, np.floating)):
+    raise ValueError(f"jlms: a budget in bytes is a whole number, got "
+                     f"{budget!r}; for a fraction of the device, pass a "
+                     f"percentage such as '90%'")
   if not isinstance(budget, str):
     raise TypeError(f"jlms: budget must be an int of bytes, a size string "
                     f"such as '20GiB' or a percentage such as '90%', got "
@@ -76,7 +83,8 @@ def parse_budget(budget, device_bytes=None) -> int:
   text = budget.strip().lower().replace(" ", "")
   if text.startswith("-"):
     raise ValueError(f"jlms: budget must be positive, got {budget!r}")
-  match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)(%|[a-z]*)", text)
+  match = re.fullmatch(r"((?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)(%|[a-z]*)",
+                       text)
   if match is None or match.group(2) not in (*UNITS, "%"):
     raise ValueError(f"jlms: cannot read budget {budget!r}: use bytes, a size "
                      "such as '20GiB', a percentage such as '90%' of the "
@@ -91,6 +99,10 @@ def parse_budget(budget, device_bytes=None) -> int:
       raise ValueError("jlms: a percentage budget needs the device's memory: "
                        "run on a GPU or name a target such as 'h100'")
     return int(device_bytes() * number / 100)
+  if UNITS[unit] == 1 and not number.is_integer():
+    raise ValueError(f"jlms: a budget in bytes is a whole number, got "
+                     f"{budget!r}; give a unit for a fraction of one, such "
+                     f"as '1.5GiB'")
   value = int(number * UNITS[unit])
   if value <= 0:
     raise ValueError(f"jlms: budget must be positive, got {budget!r}")

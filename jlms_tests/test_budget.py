@@ -28,6 +28,8 @@ MIB, GIB = 1 << 20, 1 << 30
 @pytest.mark.parametrize("budget, expected", [
     (123456, 123456), ("20GiB", 20 * GIB), ("512 MiB", 512 * MIB),
     ("1.5gb", 1_500_000_000), ("50%", 40 * GIB), ("100%", 80 * GIB),
+    # Bytes as Python writes them: a whole float, an exponent.
+    (2e9, 2_000_000_000), ("1e6", 1_000_000), ("2.5e3 MiB", 2500 * MIB),
 ])
 def test_parse_budget(budget, expected):
   assert parse_budget(budget, lambda: 80 * GIB) == expected
@@ -37,6 +39,13 @@ def test_parse_budget(budget, expected):
                                     "-5MiB", 0, -1])
 def test_parse_budget_rejects_nonsense(budget):
   with pytest.raises(ValueError):
+    parse_budget(budget, lambda: GIB)
+
+
+@pytest.mark.parametrize("budget", ["1.5", "1.5B", 1.5, float("nan")])
+def test_a_fraction_of_a_byte_is_refused_not_rounded(budget):
+  # "1.5" was read as 1 byte, and failed only at fitting.
+  with pytest.raises(ValueError, match="whole number"):
     parse_budget(budget, lambda: GIB)
 
 
