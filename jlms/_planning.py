@@ -184,6 +184,10 @@ class StepPlanner:
           error.args = (f"{error}; nothing was copied to host, since "
                         f"{refused} (ordered=False lifts that)",
                         *error.args[1:])
+        elif self.options.state_on_host is False and donated:
+          error.args = (f"{error}; state_on_host=False kept the donated "
+                        "state on the device (without it, jlms may keep "
+                        "the state in pinned host memory)", *error.args[1:])
         raise
     analysis = dataclasses.replace(analysis, plain=plain)
     if analysis.plan is not None and treedef is not None:

@@ -1087,3 +1087,41 @@ def test_state_asked_on_host_with_no_device_to_fit_goes_there(monkeypatch):
   assert "pinned_host" in _kinds(state)
   _assert_close(state.params, expected_state.params)
   _assert_close(state.opt_state, expected_state.opt_state)
+
+
+def test_a_budget_refused_with_the_state_kept_on_the_device_says_so(
+    monkeypatch):
+  """A budget that only the state on host meets, with
+  `state_on_host=False`: the error says that the option kept it on the
+  device (found by fuzzing: it named only the smallest peak), and without
+  the option the same budget plans."""
+  monkeypatch.setattr(_thresholds, "THRESHOLDS", dataclasses.replace(
+      _thresholds.THRESHOLDS, state_leaf_min_bytes=_LEAF))
+  tx = optax.adam(1e-2)
+
+  def step(params, opt_state, x):
+    def loss_fn(params):
+      h = x
+      for name in sorted(params):
+        h = jnp.tanh(h @ params[name])
+      return jnp.mean(h ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  params = {f"w{i}": jax.ShapeDtypeStruct((256, 256), jnp.float32)
+            for i in range(4)}
+  abstract = (params, jax.eval_shape(tx.init, params),
+              jax.ShapeDtypeStruct((64, 256), jnp.float32))
+  least = lambda **options: jlms.offload(
+      step, donate_argnums=(0, 1), budget="min", **options).plan(
+          *abstract).predicted_peak_bytes
+  on_host, on_device = least(state_on_host=True), least(state_on_host=False)
+  assert on_host < on_device
+  budget = (on_host + on_device) // 2
+  with pytest.raises(jlms.BudgetError, match="state_on_host=False kept"):
+    jlms.offload(step, donate_argnums=(0, 1), budget=budget,
+                 state_on_host=False).plan(*abstract)
+  plan = jlms.offload(step, donate_argnums=(0, 1), budget=budget).plan(
+      *abstract)
+  assert plan.predicted_peak_bytes <= budget and plan.state_leaves > 0
