@@ -104,6 +104,10 @@ class PlannedStep:
   # for its budget, `jlms._schedule.scheduler_slop_factor`); empty:
   # `FITTED_COMPILER_OPTIONS`.
   compiler_options: tuple = ()
+  # (output position, sharding) of the outputs returned in place of an
+  # argument that is not donated, given its split under Auto mesh axes
+  # (`jlms._sharding.kept_shardings`).
+  kept_shardings: tuple = ()
 
   @property
   def rewrites_the_step(self) -> bool:

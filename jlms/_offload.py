@@ -524,6 +524,8 @@ class OffloadedStep:
                 if p not in kept and _compat.is_host_aval(
                     _compat.abstractify(o)) else o
                 for p, o in enumerate(outs)]
+        for p, sharding in analysis.kept_shardings:
+          outs[p] = jax.lax.with_sharding_constraint(outs[p], sharding)
         return jax.tree.unflatten(analysis.out_tree, outs)
       except _compat.nan_check_errors() as error:
         # jax_debug_nans re-running the step op by op found a NaN in jlms's

@@ -36,9 +36,10 @@ from jlms._liveness import aval_nbytes
 from jlms._program import flatten
 from jlms._progress import Progress
 from jlms._replan import PlanCounter
-from jlms._sharding import leading_split
+from jlms._sharding import kept_shardings, leading_split
 from jlms._options import DEVICE, KNOBS, MINIMUM, SearchOptions
 from jlms._search import NOT_FALLEN_BACK_FROM, SearchRequest, fit_budget
+from jlms._state import state_pairs
 from jlms._variants import WayCache
 
 #: Signatures whose plans a step keeps.
@@ -190,6 +191,11 @@ class StepPlanner:
                         "the state in pinned host memory)", *error.args[1:])
         raise
     analysis = dataclasses.replace(analysis, plain=plain)
+    if request.split > 1 and analysis.rewrites_the_step:
+      kept = [i for i in range(len(program.invars)) if i not in set(donated)]
+      analysis = dataclasses.replace(analysis, kept_shardings=kept_shardings(
+          state_pairs(program, kept),
+          [program.avals[v] for v in program.invars], leaves))
     if analysis.plan is not None and treedef is not None:
       analysis = dataclasses.replace(analysis, plan=_with_kinds(
           analysis.plan, analysis.state, plain.program, treedef,

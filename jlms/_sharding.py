@@ -27,6 +27,9 @@ Guarantees:
   an argument's sharding cuts its leading axis into, and how to keep them
   apart in a view of the argument as (shards, rows of a shard, ...); None
   where it is not cut.
+- `kept_shardings(pairs, avals, leaves)` gives, under Auto mesh axes, the
+  sharding each output returned in place of an argument (not donated)
+  keeps: that argument's own split.
 - `abstract_arguments(avals, leaves)` gives `ShapeDtypeStruct`s that keep
   each argument's sharding, so that XLA compiles (and measures) the program
   as it runs, per device.
@@ -203,6 +206,29 @@ def link_shardings(values: dict, avals, leaves) -> dict:
     if sharding is not None:
       chosen[value] = sharding
   return chosen
+
+
+def kept_shardings(pairs, avals, leaves) -> tuple:
+  """(output position, NamedSharding) for each (argument, output) position
+  pair of `pairs` (an argument the step returns updated, not donated)
+  whose argument is split over the devices in a way its aval does not
+  show (Auto mesh axes) and lives in device memory: the output is given
+  the argument's split. XLA's partitioner chooses an output's sharding
+  from the program, and jlms's program is not jax.jit's: an SGD
+  momentum split by rows went in as P('data') and came back as
+  P(None, 'data'), where jax.jit gave it back as it came, and the next
+  call, of another signature, was planned again (found by fuzzing)."""
+  kept = []
+  for argument, output in pairs:
+    aval, leaf = avals[argument], leaves[argument]
+    sharding = _concrete_sharding(leaf)
+    shape = tuple(getattr(aval, "shape", ()))
+    if (isinstance(sharding, jax.sharding.NamedSharding)
+        and getattr(sharding, "memory_kind", None) not in (
+            "pinned_host", "unpinned_host")
+        and device_shape(aval) == shape and _split(sharding, shape) > 1):
+      kept.append((output, sharding))
+  return tuple(kept)
 
 
 def _shared_dimension_split(shape, split) -> jax.sharding.NamedSharding | None:

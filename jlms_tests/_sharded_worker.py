@@ -154,6 +154,50 @@ class _ExplicitFsdpCase:
                            self.mesh, batch_args=1, fsdp=True)
 
 
+class _MomentumFsdpCase:
+  """A step of momentum SGD, not donated, whose weights (and so their
+  momenta) are split over the devices along their rows under an Auto
+  axis, with a scanned stack split along its second axis: jlms's program
+  at the least memory is not jax.jit's, and XLA's partitioner gave one
+  momentum back split along its columns, where jax.jit gave it back as
+  it came (the next call, of another signature, was planned again)."""
+
+  def __init__(self, mesh, width: int = 128):
+    self.mesh, self.width = mesh, width
+    self.optimizer = optimizer = optax.sgd(1e-2, momentum=0.9)
+
+    def loss(weights, x):
+      h = jax.nn.gelu(x @ weights["first"]) @ weights["second"]
+      h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w) + h, None), h,
+                          weights["stack"])
+      return jnp.mean((h - x) ** 2)
+
+    def step(weights, opt_state, x):
+      value, grads = jax.value_and_grad(loss)(weights, x)
+      updates, opt_state = optimizer.update(grads, opt_state, weights)
+      return optax.apply_updates(weights, updates), opt_state, value
+
+    self.step = step
+
+  def make_args(self):
+    keys = jax.random.split(jax.random.key(0), 4)
+    width, devices = self.width, len(self.mesh.devices.flat)
+    weights = {
+        "first": jax.random.normal(keys[0], (width, 2 * width)) / 8,
+        "second": jax.random.normal(keys[1], (2 * width, width)) / 8,
+        "stack": jax.random.normal(keys[2], (4, width, width)) / 8}
+    specs = {"first": PartitionSpec(AXIS), "second": PartitionSpec(AXIS),
+             "stack": PartitionSpec(None, AXIS)}
+    split = lambda tree: {name: jax.device_put(
+        leaf, NamedSharding(self.mesh, specs[name]))
+        for name, leaf in tree.items()}
+    weights = split(weights)
+    x = jax.device_put(
+        jax.random.normal(keys[3], (2 * devices, 16, width)),
+        NamedSharding(self.mesh, PartitionSpec(AXIS)))
+    return weights, self.optimizer.init(weights), x
+
+
 def _explicit_state_on_host(devices) -> dict:
   """`_ExplicitFsdpCase` with its state on host, its KiB leaves streamed
   as MiB leaves are: the same as jax.jit's."""
@@ -183,6 +227,7 @@ def layouts() -> dict:
   devices = jax.devices()
   case = small_case(batch=2 * len(devices))
   args = case.make_args()
+  momentum = _MomentumFsdpCase(mesh_of(devices, AxisType.Auto))
   return {
       "devices": len(devices),
       "data_parallel_explicit": _layout_result(
@@ -193,6 +238,8 @@ def layouts() -> dict:
           case, shard_step_args(args, mesh_of(devices, AxisType.Auto),
                                 fsdp=True)),
       "fsdp_explicit_state_on_host": _explicit_state_on_host(devices),
+      "fsdp_momentum_not_donated": _layout_result(
+          momentum, momentum.make_args(), dict(budget="min")),
   } | {
       f"constrained_{name}": _layout_result(
           constrained, constrained.make_args(),

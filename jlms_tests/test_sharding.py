@@ -27,8 +27,8 @@ from jlms._liveness import analyse
 from jlms._planner import Offload, SwapIn
 from jlms._program import flatten
 from jlms._rewrite import rewrite
-from jlms._sharding import (abstract_arguments, device_shape, leading_split,
-                            link_shardings, unseen_split)
+from jlms._sharding import (abstract_arguments, device_shape, kept_shardings,
+                            leading_split, link_shardings, unseen_split)
 from jlms._units import format_bytes
 from jlms_tests.conftest import F32_TOLERANCE, TFLMS_KNOBS, max_relative_error
 
@@ -90,7 +90,8 @@ def eight_device_layouts():
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["data_parallel_explicit",
                                     "data_parallel_auto", "fsdp",
-                                    "constrained_explicit", "constrained_auto"])
+                                    "constrained_explicit", "constrained_auto",
+                                    "fsdp_momentum_not_donated"])
 def test_sharded_step_equals_jax_jit(eight_device_layouts, layout):
   assert eight_device_layouts["devices"] == 8
   result = eight_device_layouts[layout]
@@ -238,6 +239,22 @@ def test_a_copied_value_is_split_like_an_argument_it_resembles():
   # already one device's and the types carry the shardings.
   explicit = _fsdp_pair(mesh_of(jlms.target_devices("h100", "1x1x8")))
   assert link_shardings(shapes, _traced_avals(explicit), explicit) == {}
+
+
+def test_an_output_returned_in_place_of_an_argument_keeps_its_split():
+  mesh = mesh_of(jlms.target_devices("h100", "1x1x8"), AxisType.Auto)
+  weight, batch = _fsdp_pair(mesh)
+  replicated = jax.ShapeDtypeStruct((3, 5), np.float32,
+                                    sharding=NamedSharding(mesh, PartitionSpec()))
+  leaves = [weight, batch, replicated]
+  avals = _traced_avals(leaves)
+  # (argument, output): the weight's update at output 2, the replicated
+  # leaf's at 0; the batch is not returned.
+  assert kept_shardings([(0, 2), (2, 0)], avals, leaves) == (
+      (2, weight.sharding),)
+  # Explicit axes: the types carry the split already.
+  explicit = _fsdp_pair(mesh_of(jlms.target_devices("h100", "1x1x8")))
+  assert kept_shardings([(0, 1)], _traced_avals(explicit), explicit) == ()
 
 
 def test_a_leading_axis_cut_over_devices_is_kept_apart_in_its_view():
