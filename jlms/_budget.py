@@ -6,6 +6,7 @@ A leaf module: the fitting itself is `jlms._fit`, the confirmation with XLA
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import warnings
@@ -60,9 +61,11 @@ def parse_host_budget(host_budget) -> int:
 
 
 def parse_budget(budget, device_bytes=None) -> int:
-  """Bytes of `budget`: an int of bytes, a size such as "20GiB" or "512 MB",
-  or a percentage such as "90%" of `device_bytes` (a callable giving the
-  device's memory, called only for a percentage)."""
+  """Bytes of `budget`: a whole number of bytes (an int, or a float such
+  as 2e9), a size such as "20GiB", "512 MB" or "1e6", or a percentage such
+  as "90%" of `device_bytes` (a callable giving the device's memory, called
+  only for a percentage). ValueError for a fraction of a byte and for a
+  number that is not finite."""
   if isinstance(budget, bool):
     raise TypeError(f"jlms: budget must be bytes or a string, got {budget!r}")
   if isinstance(budget, (float, np.floating)) and (
@@ -72,6 +75,9 @@ def parse_budget(budget, device_bytes=None) -> int:
     if budget <= 0:
       raise ValueError(f"jlms: budget must be positive, got {budget}")
     return int(budget)
+  if isinstance(budget, (float, np.floating)) and not np.isfinite(budget):
+    raise ValueError(f"jlms: budget {budget!r} is not a finite number of "
+                     "bytes")
   if isinstance(budget, (float, np.floating)):
     raise ValueError(f"jlms: a budget in bytes is a whole number, got "
                      f"{budget!r}; for a fraction of the device, pass a "
@@ -91,6 +97,9 @@ def parse_budget(budget, device_bytes=None) -> int:
                      "device, 'device' (fit the device, the default) or "
                      "'min' (as little device memory as jlms can reach)")
   number, unit = float(match.group(1)), match.group(2)
+  if not math.isfinite(number * UNITS.get(unit, 1)):
+    raise ValueError(f"jlms: budget {budget!r} is not a finite number of "
+                     "bytes")
   if unit == "%":
     if not 0 < number <= 100:
       raise ValueError(f"jlms: budget percentage must be in (0, 100], got "

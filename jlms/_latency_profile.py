@@ -31,10 +31,11 @@ calibrated 60-70% of their roofline; 3.7 at their roofline).
 Guarantees: a pure function of the compiled program's text and a
 `GpuTarget`; it names only instructions of the computations the scheduler
 orders (not those inside fusions), each by its name and by the name XLA
-recorded for it at scheduling, where the two differ; no profile (None) for
-a program that copies nothing to or from host memory. A profile's file that is gone by
-a later compile (a temporary directory cleaned) costs only the profile:
-XLA logs "PGLE profile file does not exist" and schedules without it.
+recorded for it at scheduling, where the two differ; no profile (None)
+for a program that copies nothing to or from host memory. A profile's
+file that is gone by a later compile (a temporary directory cleaned)
+costs only the profile: XLA logs "PGLE profile file does not exist" and
+schedules without it.
 """
 
 from __future__ import annotations
@@ -326,15 +327,15 @@ class _Pricer:
 
 
 def _names(instruction: _Instruction) -> tuple:
-  """The names XLA's scheduler may know `instruction` by: the one it
-  recorded at scheduling (`scheduling_name`), and its name in the program.
+  """The names XLA's scheduler may know `instruction` by: its name in the
+  program, and the one XLA recorded at scheduling (`scheduling_name`).
   The two differ where a pass after scheduling gave an instruction
   another's metadata (XLA of JAX 0.12: a copy-done recorded under the name
   of the optimization barrier it replaced, "optimization_barrier.86.0" for
   "copy-done.29", which the scheduler knew as "copy-done.29")."""
   if instruction.scheduling_name == instruction.name:
     return (instruction.name,)
-  return (instruction.scheduling_name, instruction.name)
+  return (instruction.name, instruction.scheduling_name)
 
 
 def _trip_count(instruction: _Instruction) -> int | None:
@@ -398,7 +399,7 @@ def profile_of(hlo_text: str, target: GpuTarget) -> Profile:
       if seconds is not None:
         # An instruction's own name first: a name recorded at scheduling
         # may be another instruction's now.
-        own, *recorded = _names(instruction)[::-1]
+        own, *recorded = _names(instruction)
         costs[own] = seconds
         for known_as in recorded:
           costs.setdefault(known_as, seconds)

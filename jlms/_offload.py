@@ -240,7 +240,8 @@ class OffloadedStep:
     host memory, everything else on the device. Arguments that arrive
     elsewhere are copied first, with one warning per signature that says
     what it costs (state copied to host is donated: the caller's device
-    arrays are deleted, as jax.jit deletes donated ones): state arriving on the
+    arrays are deleted, as jax.jit deletes donated ones, unless the call
+    passes one in another place too): state arriving on the
     device, or state that another plan (another batch's shape, another
     `jlms.offload` of the step) returned on host where this plan keeps it
     on the device. Not left to JAX: a compiled program that donates an
@@ -267,11 +268,18 @@ class OffloadedStep:
       if to_device:
         self._warn_state_on_host([leaves[i] for i in to_device])
     placed = self.place(*args, **kwargs)
+    # An array passed in another place as well (EMA weights initialised
+    # from the parameters: step(params, params, x)) is still read there;
+    # its two leaves share buffers (committing an array keeps its buffer).
+    moved = set(to_host)
+    read_elsewhere = set().union(*(
+        _buffers(leaf) for i, leaf in enumerate(leaves) if i not in moved))
     for i in to_host:
       # Donated, as jax.jit donates them: the caller's device copy is not
       # kept beside the host one (it would hold the state's bytes on the
       # device the whole step), and using it again gets JAX's error.
-      if isinstance(leaves[i], jax.Array) and not leaves[i].is_deleted():
+      if (isinstance(leaves[i], jax.Array) and not leaves[i].is_deleted()
+          and not _buffers(leaves[i]) & read_elsewhere):
         leaves[i].delete()
     return (placed, {}) if not kwargs else placed
 
@@ -550,6 +558,18 @@ class OffloadedStep:
     outs = _compat.bind_jit(analysis.jit_params, analysis.plain.traced,
                             leaves)
     return jax.tree.unflatten(analysis.out_tree, outs)
+
+
+def _buffers(leaf) -> set:
+  """The device buffers an array holds, by address (nothing for another
+  leaf): two arrays that share one are the same data."""
+  if not isinstance(leaf, jax.Array) or leaf.is_deleted():
+    return set()
+  try:
+    return {(shard.device, shard.data.unsafe_buffer_pointer())
+            for shard in leaf.addressable_shards}
+  except Exception:  # noqa: BLE001 -- a backend without addresses
+    return {id(leaf)}
 
 
 def _named_like(method, fun):

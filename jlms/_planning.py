@@ -185,16 +185,16 @@ class StepPlanner:
           error.args = (f"{error}; nothing was copied to host, since "
                         f"{refused} (ordered=False lifts that)",
                         *error.args[1:])
-        elif self.options.state_on_host is False and donated:
+        elif (self.options.state_on_host is False
+              and state_pairs(program, donated)):
           error.args = (f"{error}; state_on_host=False kept the donated "
                         "state on the device (without it, jlms may keep "
                         "the state in pinned host memory)", *error.args[1:])
         raise
     analysis = dataclasses.replace(analysis, plain=plain)
     if request.split > 1 and analysis.rewrites_the_step:
-      kept = [i for i in range(len(program.invars)) if i not in set(donated)]
       analysis = dataclasses.replace(analysis, kept_shardings=kept_shardings(
-          state_pairs(program, kept),
+          _returned_undonated(program, donated, analysis.state.outputs),
           [program.avals[v] for v in program.invars], leaves))
     if analysis.plan is not None and treedef is not None:
       analysis = dataclasses.replace(analysis, plan=_with_kinds(
@@ -260,6 +260,20 @@ def host_refused(program) -> str:
   return (f"the step has an ordered effect ({shown}: an io_callback or "
           f"jax.debug.print with ordered=True), and JAX cannot compile one "
           f"in a program that keeps values in host memory")
+
+
+def _returned_undonated(program, donated, state_outputs) -> tuple:
+  """(argument, output) positions of each argument not donated and the
+  output of its shape and dtype that XLA would alias it with if it were
+  (`jlms._state.state_pairs`), among the outputs that no donated argument
+  takes and that are not state kept on host: the output the step returns
+  in place of the argument."""
+  taken = {o for _, o in state_pairs(program, donated)} | set(state_outputs)
+  untaken = dataclasses.replace(program, outvars=tuple(
+      None if position in taken else atom
+      for position, atom in enumerate(program.outvars)))
+  kept = [i for i in range(len(program.invars)) if i not in set(donated)]
+  return state_pairs(untaken, kept)
 
 
 def _argument_names(program, treedef, leaves) -> dict:

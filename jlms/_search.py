@@ -1351,8 +1351,9 @@ def tradeoff(request: SearchRequest, budgets=None, points: int = 6
   if isinstance(points, bool) or not isinstance(points, int) or points < 1:
     raise ValueError(f"jlms: tradeoff points must be a positive int, got "
                      f"{points!r}")
-  if isinstance(budgets, (str, numbers.Integral)):
-    budgets = [budgets]  # one budget
+  if isinstance(budgets, (str, numbers.Real)) and not isinstance(
+      budgets, bool):
+    budgets = [budgets]  # one budget (bytes may be written 2e9)
   # A percentage is of the memory of the GPU the times are predicted for.
   target = request.target or request.time.name
   device_bytes = lambda: target_memory_bytes(target)  # noqa: E731

@@ -42,10 +42,18 @@ def test_parse_budget_rejects_nonsense(budget):
     parse_budget(budget, lambda: GIB)
 
 
-@pytest.mark.parametrize("budget", ["1.5", "1.5B", 1.5, float("nan")])
+@pytest.mark.parametrize("budget", ["1.5", "1.5B", 1.5])
 def test_a_fraction_of_a_byte_is_refused_not_rounded(budget):
   # "1.5" was read as 1 byte, and failed only at fitting.
   with pytest.raises(ValueError, match="whole number"):
+    parse_budget(budget, lambda: GIB)
+
+
+@pytest.mark.parametrize("budget", [float("nan"), float("inf"), "1e400",
+                                    "1e400GiB"])
+def test_a_budget_that_is_not_finite_is_refused(budget):
+  # "1e400GiB" raised OverflowError from int().
+  with pytest.raises(ValueError, match="not a finite number"):
     parse_budget(budget, lambda: GIB)
 
 

@@ -100,12 +100,19 @@ def test_a_copy_is_known_by_its_name_where_a_later_pass_renamed_its_record():
   latencies = profile_of(renamed, H100).latencies
   assert ("copy-start.4", "copy-done.4") in latencies
   assert ("copy-start", "copy-done.4") in latencies
-  # An instruction's own name is never priced as another's record.
-  recorded_as_kernel = _MODULE.replace(
-      'metadata={scheduling_name="copy-done"}',
-      'metadata={scheduling_name="gemm_fusion"}')
-  costs = profile_of(recorded_as_kernel, H100).costs
-  assert costs["gemm_fusion"] > 0
+
+def test_an_instruction_is_priced_by_its_own_name_before_anothers_record():
+  # The matmul recorded under the name of the loop's add kernel, which is
+  # priced first (a loop's body before the computation that runs it): the
+  # add keeps its own price, and the matmul has its own under its name.
+  recorded = _MODULE.replace('scheduling_name="gemm_fusion.3"',
+                             'scheduling_name="loop_add_fusion"')
+  assert recorded != _MODULE
+  costs = profile_of(recorded, H100).costs
+  assert costs["gemm_fusion"] == pytest.approx(
+      2 * 4096**3 / H100.contraction_peak("float32", False))
+  assert costs["loop_add_fusion"] == pytest.approx(
+      8 * MIB / H100.hbm_bytes_per_s)
 
 
 # An update in place of a stacked buffer on host, as an asynchronous slice

@@ -25,6 +25,7 @@ from benchmarks.sharded import mesh_of, shard_step_args
 from jlms import _compat
 from jlms._liveness import analyse
 from jlms._planner import Offload, SwapIn
+from jlms._planning import _returned_undonated
 from jlms._program import flatten
 from jlms._rewrite import rewrite
 from jlms._sharding import (abstract_arguments, device_shape, kept_shardings,
@@ -244,8 +245,8 @@ def test_a_copied_value_is_split_like_an_argument_it_resembles():
 def test_an_output_returned_in_place_of_an_argument_keeps_its_split():
   mesh = mesh_of(jlms.target_devices("h100", "1x1x8"), AxisType.Auto)
   weight, batch = _fsdp_pair(mesh)
-  replicated = jax.ShapeDtypeStruct((3, 5), np.float32,
-                                    sharding=NamedSharding(mesh, PartitionSpec()))
+  replicated = jax.ShapeDtypeStruct(
+      (3, 5), np.float32, sharding=NamedSharding(mesh, PartitionSpec()))
   leaves = [weight, batch, replicated]
   avals = _traced_avals(leaves)
   # (argument, output): the weight's update at output 2, the replicated
@@ -255,6 +256,21 @@ def test_an_output_returned_in_place_of_an_argument_keeps_its_split():
   # Explicit axes: the types carry the split already.
   explicit = _fsdp_pair(mesh_of(jlms.target_devices("h100", "1x1x8")))
   assert kept_shardings([(0, 1)], _traced_avals(explicit), explicit) == ()
+
+
+def test_an_undonated_argument_is_paired_with_an_output_no_donation_takes():
+  """step(w, m, x) -> (w - m, m, loss), `w` donated: `m`'s output is the
+  second (the first is `w`'s by XLA's aliasing), and with `w` kept on host
+  it is still the second (found by review: the first output of `m`'s
+  shape, `w`'s, was constrained to `m`'s split)."""
+  def step(w, m, x):
+    return w - m, m, jnp.sum(x)
+  square = jax.ShapeDtypeStruct((4, 4), np.float32)
+  program = flatten(jax.make_jaxpr(step)(square, square, square))
+  assert _returned_undonated(program, (0,), ()) == ((1, 1),)
+  assert _returned_undonated(program, (0,), (0,)) == ((1, 1),)
+  # Nothing donated: each argument takes the first output of its kind.
+  assert _returned_undonated(program, (), ()) == ((0, 0), (1, 1))
 
 
 def test_a_leading_axis_cut_over_devices_is_kept_apart_in_its_view():

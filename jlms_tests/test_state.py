@@ -600,6 +600,32 @@ def test_state_above_the_host_budget_is_refused_before_running():
   assert offload("1GiB").plan(*abstract).state_host_bytes == 6 * 64 * 64 * 4
 
 
+def test_a_donated_array_also_passed_undonated_is_not_deleted():
+  """An array passed as donated state and in a place that is not donated
+  (EMA weights started from the parameters, `step(w, w, x)`): jax.jit
+  refuses the call; jlms copies the state to host and keeps the array,
+  which the other place still reads (deleting it lost the caller's
+  weights, found by review)."""
+  def step(w, ema, x):
+    def loss(w):
+      return jnp.mean(jnp.tanh(x @ w) ** 2) + jnp.sum((w - ema) ** 2)
+    value, grad = jax.value_and_grad(loss)(w)
+    return w - 0.1 * grad, value
+
+  x = jnp.linspace(-1, 1, 64 * 128).reshape(64, 128)
+  offloaded = jlms.offload(step, budget="min", donate_argnums=0,
+                           min_bytes=_LEAF)
+  w = jnp.full((128, 128), 0.01)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", jlms.StateOnDeviceWarning)
+    new_w, value = offloaded(w, w, x)
+  assert offloaded.plan(new_w, w, x).state_leaves == 1
+  assert not w.is_deleted()
+  expected_w, expected_value = jax.jit(step)(w, w, x)
+  np.testing.assert_allclose(float(value), float(expected_value), rtol=1e-5)
+  _assert_close(new_w, expected_w)
+
+
 def test_the_least_memory_keeps_the_state_on_the_device_past_the_host_budget(
     caplog):
   """`budget="min"` puts all of the state on host; where the host budget
@@ -1062,7 +1088,8 @@ def test_host_memory_asked_of_a_step_with_an_ordered_callback_is_refused(
     offloaded.plan(*args)
 
 
-def test_state_asked_on_host_with_no_device_to_fit_goes_there(monkeypatch):
+def test_state_asked_on_host_with_no_device_to_fit_goes_there(
+    monkeypatch, as_without_a_gpu):
   """`state_on_host=True` on a machine without a GPU and without
   `target=`: there is no device budget to fit, but the state still lives
   on host as asked (it ran as jax.jit's, all of it on the device, with
