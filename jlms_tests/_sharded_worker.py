@@ -121,6 +121,16 @@ class _ConstrainedCase:
     return shard_step_args((weights, x), self.mesh, batch_args=1)
 
 
+def _optimizer_step(loss, optimizer):
+  """The step of `optimizer` on `loss(weights, x)`: (weights, opt_state,
+  x) -> (weights, opt_state, loss)."""
+  def step(weights, opt_state, x):
+    value, grads = jax.value_and_grad(loss)(weights, x)
+    updates, opt_state = optimizer.update(grads, opt_state, weights)
+    return optax.apply_updates(weights, updates), opt_state, value
+  return step
+
+
 class _ExplicitFsdpCase:
   """A tanh MLP step with AdamW whose weights (and so their moments) are
   split over the devices under explicit mesh axes, one along its rows and
@@ -137,12 +147,7 @@ class _ExplicitFsdpCase:
                        for w in weights)
       return jnp.mean((jnp.tanh(x @ first) @ second - x) ** 2)
 
-    def step(weights, opt_state, x):
-      value, grads = jax.value_and_grad(loss)(weights, x)
-      updates, opt_state = optimizer.update(grads, opt_state, weights)
-      return optax.apply_updates(weights, updates), opt_state, value
-
-    self.step = step
+    self.step = _optimizer_step(loss, optimizer)
 
   def make_args(self):
     keys = jax.random.split(jax.random.key(0), 3)
@@ -172,12 +177,7 @@ class _MomentumFsdpCase:
                           weights["stack"])
       return jnp.mean((h - x) ** 2)
 
-    def step(weights, opt_state, x):
-      value, grads = jax.value_and_grad(loss)(weights, x)
-      updates, opt_state = optimizer.update(grads, opt_state, weights)
-      return optax.apply_updates(weights, updates), opt_state, value
-
-    self.step = step
+    self.step = _optimizer_step(loss, optimizer)
 
   def make_args(self):
     keys = jax.random.split(jax.random.key(0), 4)

@@ -656,13 +656,9 @@ def test_the_least_memory_keeps_the_state_on_the_device_past_the_host_budget(
   _assert_close(new_params, expected_params)
 
 
-def test_a_host_budget_refused_names_the_host_memory_of_a_plan_that_fits(
-    as_without_a_gpu):
-  # A four-layer MLP's Adam step at a budget near its least memory: the
-  # placements of the state that put less of it on host do not fit the
-  # device, so the first one refused for the host alone (256 KiB) is not
-  # the one to ask for; the error names what the plan that fits holds,
-  # and with that host budget the step plans.
+def _four_layer_adam_step():
+  """A four-layer tanh MLP's Adam step (weights of 256 KiB, batch 64) and
+  its abstract arguments: planned in a fraction of a second."""
   tx = optax.adam(1e-2)
 
   def step(params, opt_state, x):
@@ -677,8 +673,18 @@ def test_a_host_budget_refused_names_the_host_memory_of_a_plan_that_fits(
 
   params = {f"w{i}": jax.ShapeDtypeStruct((256, 256), jnp.float32)
             for i in range(4)}
-  abstract = (params, jax.eval_shape(tx.init, params),
-              jax.ShapeDtypeStruct((64, 256), jnp.float32))
+  return step, (params, jax.eval_shape(tx.init, params),
+                jax.ShapeDtypeStruct((64, 256), jnp.float32))
+
+
+def test_a_host_budget_refused_names_the_host_memory_of_a_plan_that_fits(
+    as_without_a_gpu):
+  # A four-layer MLP's Adam step at a budget near its least memory: the
+  # placements of the state that put less of it on host do not fit the
+  # device, so the first one refused for the host alone (256 KiB) is not
+  # the one to ask for; the error names what the plan that fits holds,
+  # and with that host budget the step plans.
+  step, abstract = _four_layer_adam_step()
   least = jlms.offload(step, donate_argnums=(0, 1), budget="min",
                        state_on_host=True, min_bytes=1 << 14).plan(*abstract)
   budget = int(least.predicted_peak_bytes * 1.05)
@@ -1124,22 +1130,7 @@ def test_a_budget_refused_with_the_state_kept_on_the_device_says_so(
   the option the same budget plans."""
   monkeypatch.setattr(_thresholds, "THRESHOLDS", dataclasses.replace(
       _thresholds.THRESHOLDS, state_leaf_min_bytes=_LEAF))
-  tx = optax.adam(1e-2)
-
-  def step(params, opt_state, x):
-    def loss_fn(params):
-      h = x
-      for name in sorted(params):
-        h = jnp.tanh(h @ params[name])
-      return jnp.mean(h ** 2)
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
-
-  params = {f"w{i}": jax.ShapeDtypeStruct((256, 256), jnp.float32)
-            for i in range(4)}
-  abstract = (params, jax.eval_shape(tx.init, params),
-              jax.ShapeDtypeStruct((64, 256), jnp.float32))
+  step, abstract = _four_layer_adam_step()
   least = lambda **options: jlms.offload(
       step, donate_argnums=(0, 1), budget="min", **options).plan(
           *abstract).predicted_peak_bytes
