@@ -373,17 +373,18 @@ def fit_budget(request: SearchRequest) -> PlannedStep:
   options, plain = request.options, request.plain
   target = confirm_target(options, request.leaves, request.on_gpu)
   budget = options.budget_bytes(target)
-  if options.budget is DEVICE and budget is None:
+  no_device = options.budget is DEVICE and budget is None
+  if no_device:
     if not (options.state_on_host and request.donated):
       log.info("jlms: no GPU here and no target named: the step runs as "
                "jax.jit's program")
       return request.as_is(None, None)
     # The state on host was asked for, with no device to fit: it goes
-    # there, and the rest of the step stays as jax.jit's (a budget of
-    # jax.jit's own peak, by the simulator).
+    # there, and the rest of the step is held to jax.jit's own peak (by
+    # the simulator), which it meets as it is.
     budget = request.baseline.peak_bytes
     log.info("jlms: no GPU here and no target named: the state goes to "
-             "host as asked, and nothing else is fitted")
+             "host as asked, within jax.jit's own peak")
   avals = tuple(plain.program.avals[v] for v in plain.program.invars)
   request = dataclasses.replace(
       request, target=target, budget=budget, avals=avals,
@@ -394,7 +395,12 @@ def fit_budget(request: SearchRequest) -> PlannedStep:
                             for v in plain.program.invars)))
   levels = state_levels(request)
   if levels[0].state:  # asked for, or the least memory: never as it is
-    return _search_levels(request, levels, None)
+    planned = _search_levels(request, levels, None)
+    # With no device to fit, jax.jit's program (the state on the device)
+    # meets what the user asked of memory: a failure of jlms's program
+    # falls back to it, with a warning.
+    return (dataclasses.replace(planned, needs_plan=False) if no_device
+            else planned)
   baseline = request.baseline
   plain_peak = None
   if budget is not None and baseline.peak_bytes <= budget and target is None:

@@ -1120,6 +1120,17 @@ def test_state_asked_on_host_with_no_device_to_fit_goes_there(
   assert "pinned_host" in _kinds(state)
   _assert_close(state.params, expected_state.params)
   _assert_close(state.opt_state, expected_state.opt_state)
+  # No budget was given: where jlms's program fails, jax.jit's runs (the
+  # state back on the device), with a warning, as a step that fits does.
+  def failing(*args, **kwargs):
+    raise RuntimeError("injected failure of jlms's program")
+
+  monkeypatch.setattr(_offload, "compare_memory_of_call", failing)
+  checked = jlms.offload(train_step, donate_argnums=0, state_on_host=True,
+                         verify=True)
+  with pytest.warns(jlms.FallbackWarning, match="injected"):
+    state, loss = checked(*checked.place(*_copy(args)))
+  assert _kinds(state) == {"device"}
 
 
 def test_a_budget_refused_with_the_state_kept_on_the_device_says_so(
