@@ -289,8 +289,12 @@ def test_xla_fetches_a_streamed_loops_next_slice_beside_its_matmuls():
       assert start < matmuls[0] < done, (name, names)
 
 
+@pytest.mark.parametrize("compiles", ["cheaply", "at length"])
 def test_at_remats_peak_a_scanned_mlp_remakes_its_layers_rather_than_stream(
-    caplog):
+    caplog, monkeypatch, compiles):
+  from jlms import _search
+  if compiles == "at length":  # as a step of more equations would
+    monkeypatch.setattr(_search, "_CHEAP_COMPILE_EQUATIONS", 0)
   case = models.scan_mlp_case(layers=8, width=1024, batch=2048)
   remat = models.scan_mlp_case(layers=8, width=1024, batch=2048,
                                remat="nothing_saveable")
@@ -304,12 +308,14 @@ def test_at_remats_peak_a_scanned_mlp_remakes_its_layers_rather_than_stream(
   # XLA at the budget) and moves nothing over the link.
   assert plan.xla_peak_bytes <= budget
   assert plan.offloaded_bytes == 0
-  # Found by fitting the budget itself once the margin left room, and
-  # only the way that did not fit the margin: the two streamed ways that
-  # did are not fitted again.
+  # Found by fitting the budget itself once the margin left room: for a
+  # step whose compiles take long, only the way that did not fit the
+  # margin (the two streamed ways that did are not fitted again); for one
+  # that compiles cheaply, every way (the 16-block ResNet at remat's peak
+  # found a plan 0.9% faster so).
   fits_at_budget = [r for r in caplog.records if r.getMessage().startswith(
       f"jlms: fitted {format_bytes(budget)} in")]
-  assert len(fits_at_budget) == 1
+  assert len(fits_at_budget) == (1 if compiles == "at length" else 3)
 
 
 def _gpt_with_moments_on_host(budget: str):
