@@ -68,20 +68,19 @@ def parse_budget(budget, device_bytes=None) -> int:
   number that is not finite."""
   if isinstance(budget, bool):
     raise TypeError(f"jlms: budget must be bytes or a string, got {budget!r}")
-  if isinstance(budget, (float, np.floating)) and (
-      np.isfinite(budget) and float(budget).is_integer()):
-    budget = int(budget)  # bytes written as 2e9
+  if isinstance(budget, (float, np.floating)):  # bytes written as 2e9
+    if not math.isfinite(budget):
+      raise ValueError(f"jlms: budget {budget!r} is not a finite number of "
+                       "bytes")
+    if not float(budget).is_integer():
+      raise ValueError(f"jlms: a budget in bytes is a whole number, got "
+                       f"{budget!r}; for a fraction of the device, pass a "
+                       f"percentage such as '90%'")
+    budget = int(budget)
   if isinstance(budget, (int, np.integer)):
     if budget <= 0:
       raise ValueError(f"jlms: budget must be positive, got {budget}")
     return int(budget)
-  if isinstance(budget, (float, np.floating)) and not np.isfinite(budget):
-    raise ValueError(f"jlms: budget {budget!r} is not a finite number of "
-                     "bytes")
-  if isinstance(budget, (float, np.floating)):
-    raise ValueError(f"jlms: a budget in bytes is a whole number, got "
-                     f"{budget!r}; for a fraction of the device, pass a "
-                     f"percentage such as '90%'")
   if not isinstance(budget, str):
     raise TypeError(f"jlms: budget must be an int of bytes, a size string "
                     f"such as '20GiB' or a percentage such as '90%', got "

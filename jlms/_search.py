@@ -1002,18 +1002,17 @@ def _confirmed(request: SearchRequest, config, chosen: _Candidate, searched,
   # compile says.
   refused = []
   candidate = _faster_fit(request, config, chosen, relaxed, refused=refused)
-  # A step that compiles cheaply fits every way again (the 16-block
-  # ResNet at per-layer remat's peak: 26.32 ms by the schedule model, where
-  # the ways refused alone gave 26.57).
   cheap = len(request.plain.program) <= _CHEAP_COMPILE_EQUATIONS
   if candidate is None and relaxed < budget and (refused or cheap):
-    # Nothing faster within the margin: the budget itself, once, for the
-    # ways that did not fit the margin (a scanned MLP at per-layer remat's
-    # 1.17 GiB: its layers' inputs streamed, 0.70 GiB by XLA and 21.0 ms by
-    # the schedule model; per-layer remat, 1.16 GiB predicted, 1.17 by XLA
-    # and 7.1 ms). A way that fitted the margin is left there: the margin
-    # is for the simulator's error, and fitting every way again cost
-    # Gemma2-2B, plain, 7 s for no plan faster by 2%.
+    # Nothing faster within the margin: the budget itself, once (a scanned
+    # MLP at per-layer remat's 1.17 GiB: its layers' inputs streamed, 0.70
+    # GiB by XLA and 21.0 ms by the schedule model; per-layer remat, 1.16
+    # GiB predicted, 1.17 by XLA and 7.1 ms). For a step whose compiles
+    # take long, only the ways that did not fit the margin: fitting every
+    # way again cost Gemma2-2B, plain, 7 s for no plan faster by 2%. A step
+    # that compiles cheaply fits every way (the 16-block ResNet at
+    # per-layer remat's peak: 26.32 ms by the schedule model, where the
+    # ways refused alone gave 26.57).
     candidate = _faster_fit(request, config, chosen, budget,
                             ways=None if cheap else refused)
   return (candidate if candidate is not None and candidate.measured <= budget

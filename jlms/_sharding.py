@@ -185,10 +185,8 @@ def link_shardings(values: dict, avals, leaves) -> dict:
     shape = getattr(aval, "shape", None)
     if shape is None:
       continue
-    sharding = _concrete_sharding(leaf)
-    if (not isinstance(sharding, jax.sharding.NamedSharding)
-        or device_shape(aval) != tuple(shape)
-        or _split(sharding, tuple(shape)) <= 1):
+    sharding = _unseen_split(aval, leaf)
+    if sharding is None:
       whole.add(tuple(shape))
       continue
     split.append((tuple(shape), sharding))
@@ -220,15 +218,22 @@ def kept_shardings(pairs, avals, leaves) -> tuple:
   call, of another signature, was planned again (found by fuzzing)."""
   kept = []
   for argument, output in pairs:
-    aval, leaf = avals[argument], leaves[argument]
-    sharding = _concrete_sharding(leaf)
-    shape = tuple(getattr(aval, "shape", ()))
-    if (isinstance(sharding, jax.sharding.NamedSharding)
-        and getattr(sharding, "memory_kind", None) not in (
-            "pinned_host", "unpinned_host")
-        and device_shape(aval) == shape and _split(sharding, shape) > 1):
+    sharding = _unseen_split(avals[argument], leaves[argument])
+    if sharding is not None and getattr(sharding, "memory_kind", None) not in (
+        "pinned_host", "unpinned_host"):
       kept.append((output, sharding))
   return tuple(kept)
+
+
+def _unseen_split(aval, leaf) -> jax.sharding.NamedSharding | None:
+  """The NamedSharding of an argument that splits it over the devices in a
+  way its aval does not show (Auto mesh axes); None otherwise."""
+  sharding = _concrete_sharding(leaf)
+  shape = tuple(getattr(aval, "shape", ()))
+  if (isinstance(sharding, jax.sharding.NamedSharding)
+      and device_shape(aval) == shape and _split(sharding, shape) > 1):
+    return sharding
+  return None
 
 
 def _shared_dimension_split(shape, split) -> jax.sharding.NamedSharding | None:
