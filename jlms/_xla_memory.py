@@ -249,7 +249,10 @@ def xla_memory_of_call(
             topology = _topology_of_arguments(target, (args, kwargs))
         _check_topology(topology)
         devices = _gpu_topology(target, topology).devices
+        moved = bool(_devices_of((args, kwargs)) - set(devices))
         args, kwargs = _place_on_target((args, kwargs), devices)
+    else:
+        moved = False
     lower = fn.lower if hasattr(fn, "lower") else jax.jit(fn).lower
     try:
         lowered = lower(*args, **kwargs)
@@ -257,6 +260,16 @@ def xla_memory_of_call(
         if target != LOCAL_TARGET and "Unknown backend" in str(error):
             raise _calls_back(target, "JAX lowers a callback only for a "
                               "backend this process has") from error
+        raise
+    except ValueError as error:
+        # JAX's words where the step's own mesh is this machine's: its
+        # devices against the target's, or (where the arguments were
+        # moved from its devices onto the target's) a shard_map's specs
+        # against the arguments' shardings.
+        if target != LOCAL_TARGET and (
+                "incompatible devices" in str(error)
+                or (moved and "shard_map" in str(error))):
+            raise _own_devices(target, error) from error
         raise
     key = None
     if target != LOCAL_TARGET and hasattr(lowered, "as_text"):
@@ -293,6 +306,23 @@ def xla_memory_of_call(
         if len(_COMPILED_MEMORY) > _CACHE_SIZE:
             _COMPILED_MEMORY.popitem(last=False)
     return memory
+
+
+def _own_devices(target: str, error: ValueError
+                 ) -> DevicelessUnavailableError:
+    """The error of a step that names devices of its own (a `shard_map`'s
+    or a sharding constraint's mesh, built from this machine's devices):
+    its arguments go onto `target`'s devices, and JAX refuses to compile
+    one program over both (`error`, JAX's words)."""
+    first = str(error).splitlines()[0] if str(error) else repr(error)
+    return DevicelessUnavailableError(
+        f"The step names devices of its own (a shard_map's or a sharding "
+        f"constraint's mesh), this machine's rather than the target's, so "
+        f"XLA cannot compile it for {target!r} here ({first[:300]}). "
+        f"Build that mesh from "
+        f"jlms.target_devices({target!r}, '1x1xN') (N devices) to plan for "
+        f"{target!r}, or leave target= out where no GPU is local, and jlms "
+        f"plans by its simulator alone.")
 
 
 def _calls_back(target: str, why: str) -> DevicelessUnavailableError:

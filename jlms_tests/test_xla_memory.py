@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+import jlms
 from jlms import _xla_memory
 from jlms._xla_memory import (
     DevicelessUnavailableError,
@@ -452,6 +453,41 @@ def test_jax_imported_without_jax_platforms_cpu_really_fails_this_way():
 
     assert "JAX_PLATFORMS unset" in result.stdout
     assert "Set JAX_PLATFORMS=cpu" in result.stdout
+
+
+def _shard_map_step():
+    """A step whose shard_map runs over a mesh of this machine's CPU."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("x",))
+
+    def mlp(w, x):
+        return jax.lax.psum(jnp.tanh(x @ w), "x")
+
+    sharded = jax.shard_map(mlp, mesh=mesh, in_specs=(P("x", None), P(None, "x")),
+                            out_specs=P())
+
+    def step(w, x):
+        loss, grad = jax.value_and_grad(lambda w: jnp.mean(sharded(w, x) ** 2))(w)
+        return w - 0.1 * grad, loss
+
+    w = jax.device_put(jnp.full((256, 256), 0.01), NamedSharding(mesh, P("x", None)))
+    x = jax.device_put(jnp.ones((512, 256)), NamedSharding(mesh, P(None, "x")))
+    return step, w, x
+
+
+def test_a_step_with_its_own_mesh_is_refused_with_what_to_build():
+    """A shard_map over a mesh of this machine's devices cannot compile for a
+    deviceless target: JAX said the shard_map's specs did not match (the
+    arguments went onto the target's device) and jlms fell back from its plan
+    without saying why; the error names `target_devices` (found by fuzzing)."""
+    step, w, x = _shard_map_step()
+    jax.jit(step)(w, x)  # runs here, as written
+    with pytest.raises(DevicelessUnavailableError, match=r"jlms.target_devices\('h100'"):
+        xla_memory(jax.jit(step), w, x, target="h100")
+    offloaded = jlms.offload(step, donate_argnums=0, budget="min", target="h100")
+    with pytest.raises(DevicelessUnavailableError, match="names devices of its own"):
+        offloaded.plan(w, x)
 
 
 def test_two_lowerings_that_differ_in_names_alone_key_one_compile():
