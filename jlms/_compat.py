@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as _jex_core
 from jax.extend import source_info_util as _source_info
 
@@ -531,6 +533,17 @@ def abstractify(leaf):
 def is_extended_dtype(dtype) -> bool:
   """PRNG key arrays and other dtypes that have no plain memory layout."""
   return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+@functools.lru_cache(maxsize=None)
+def extended_itemsize(dtype) -> int:
+  """Bytes one element of an extended dtype takes on the device: a typed
+  PRNG key's data (two uint32 for threefry); 0 for any other extended
+  dtype, which jlms does not size."""
+  if not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return 0
+  data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+  return math.prod(data.shape) * np.dtype(data.dtype).itemsize
 
 
 def check_jaxpr(closed) -> None:

@@ -52,9 +52,11 @@ def _aval_nbytes(aval) -> int:
   # Cached: a step has tens of thousands of values of a few hundred types.
   shape = getattr(aval, "shape", None)
   dtype = getattr(aval, "dtype", None)
-  if shape is None or dtype is None or _compat.is_extended_dtype(dtype):
+  if shape is None or dtype is None:
     return 0
-  return math.prod(device_shape(aval)) * np.dtype(dtype).itemsize
+  itemsize = (_compat.extended_itemsize(dtype)
+              if _compat.is_extended_dtype(dtype) else np.dtype(dtype).itemsize)
+  return math.prod(device_shape(aval)) * itemsize
 
 
 def analyse(program: Program) -> Liveness:

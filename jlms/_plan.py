@@ -37,7 +37,9 @@ NAME_WIDTH = 64
 
 def shape_text(dtype, shape) -> str:
   """'float32[8, 256, 256, 64]': how the plan and the report show a shape."""
-  return f"{np.dtype(dtype).name}{list(shape)}"
+  name = (str(dtype) if _compat.is_extended_dtype(dtype)  # a PRNG key
+          else np.dtype(dtype).name)
+  return f"{name}{list(shape)}"
 
 
 @dataclasses.dataclass(frozen=True)
