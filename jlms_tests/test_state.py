@@ -686,8 +686,8 @@ def test_the_least_memory_keeps_the_state_on_the_device_where_that_takes_less(
 @pytest.mark.slow
 def test_the_least_memory_by_xla_is_no_more_than_with_the_state_on_the_device():
   """The same by XLA's H100 peaks, for a scanned attention step under a
-  checkpoint policy (found by fuzzing): its least memory with the state
-  on host is above jax.jit's program, which the least memory now runs."""
+  checkpoint policy (found by fuzzing): the least memory is no more than
+  either placement's."""
   batch, length, width, heads, kv_heads, layers = 4, 128, 128, 8, 2, 2
   head = width // heads
   tx = optax.adamw(1e-3)
@@ -722,8 +722,10 @@ def test_the_least_memory_by_xla_is_no_more_than_with_the_state_on_the_device():
     step_ = jlms.offload(step, donate_argnums=(0, 1), budget="min",
                          target="h100", **options)
     peaks[name] = jlms.xla_memory(step_, *abstract, target="h100").peak_bytes
-  assert peaks["on host"] > peaks["on device"]
-  assert peaks["least"] == peaks["on device"]
+  # JAX 0.10.2: 13.56 MB on host, 10.85 on the device, and the least was
+  # the first; JAX 0.12.0.1 puts the state on host lower (10.42 against
+  # 12.62 MB).
+  assert peaks["least"] <= min(peaks["on host"], peaks["on device"])
 
 
 def test_state_on_host_true_takes_leaves_from_64_kib_under_a_target():
