@@ -39,8 +39,8 @@ class Liveness:
 
 def aval_nbytes(aval) -> int:
   """Bytes one device holds of an array of abstract value `aval`: its shard
-  when the aval carries an explicit sharding, else the whole array (0 when
-  it has no layout)."""
+  when the aval carries an explicit sharding, else the whole array (a
+  typed PRNG key as its key data; 0 for a token)."""
   try:
     return _aval_nbytes(aval)
   except TypeError:  # an unhashable aval: the same sum, uncached
