@@ -190,6 +190,12 @@ class StepPlanner:
           error.args = (f"{error}; state_on_host=False kept the donated "
                         "state on the device (without it, jlms may keep "
                         "the state in pinned host memory)", *error.args[1:])
+        elif (self.options.state_on_host is True
+              and state_pairs(program, donated)):
+          error.args = (f"{error}; state_on_host=True kept the donated "
+                        "state in pinned host memory (without it, jlms "
+                        "also weighs keeping it on the device)",
+                        *error.args[1:])
         raise
     analysis = dataclasses.replace(analysis, plain=plain)
     if request.split > 1 and analysis.rewrites_the_step:

@@ -126,12 +126,133 @@ class StateCopy:
   edge_bytes: int = 0
 
 
+#: How many pointwise equations back from an output `state_pairs` looks
+#: for the input it updates: an optimizer's update of a leaf is a few tens
+#: (optax's AdamW with a schedule: under 20 from a moment to its output).
+_UPDATE_DEPTH = 64
+
+
 def state_pairs(program: Program, donated: Sequence[int]
                 ) -> tuple[tuple[int, int], ...]:
   """(input position, output position) of each donated input that the
-  step returns updated (`jlms._program.donation_pairs` of the program with
-  `donated` donated)."""
-  return donation_pairs(dataclasses.replace(program, donated=tuple(donated)))
+  step returns updated, in input order: each output with the donated input
+  of its shape and dtype that it is made from by the fewest pointwise
+  equations (an optimizer's update), nearest pairs first, then a leaf
+  returned as it is (by no equation), the rest as XLA's aliasing pairs them
+  (`jlms._program.donation_pairs`). A step that returns its state in
+  another order than it takes it (`return opt_state, params` for
+  `(params, opt_state)`) so keeps each leaf with its own update, where
+  aliasing pairs a parameter with the moment of its shape; `host_state`
+  then moves such leaves to host with those whose buffers they take.
+  Where the two pairings do not cover the same inputs and outputs (more
+  donated inputs of a kind than outputs), aliasing's pairs stand: an
+  input and the output that takes its buffer must be in one memory."""
+  donated = tuple(donated)
+  aliased = donation_pairs(dataclasses.replace(program, donated=donated))
+  if not aliased:
+    return ()
+  updated = _nearest_updates(program, donated)
+  pairs = []
+  for component in _components(updated, aliased):
+    ours = [pair for pair in updated if pair[0] in component.inputs]
+    theirs = [pair for pair in aliased if pair[0] in component.inputs]
+    covers = ({i for i, _ in ours} == {i for i, _ in theirs}
+              and {o for _, o in ours} == {o for _, o in theirs})
+    pairs += ours if covers else theirs
+  return tuple(sorted(pairs))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Component:
+  inputs: frozenset
+  outputs: frozenset
+
+
+def _components(*pairings) -> list[_Component]:
+  """The inputs and outputs that `pairings` ((input, output) pairs each)
+  connect, one `_Component` per connected set."""
+  parent: dict = {}
+
+  def root(node):
+    while parent.setdefault(node, node) != node:
+      parent[node] = parent[parent[node]]
+      node = parent[node]
+    return node
+
+  for pairing in pairings:
+    for i, o in pairing:
+      parent[root(("in", i))] = root(("out", o))
+  members: dict = {}
+  for node in list(parent):
+    members.setdefault(root(node), []).append(node)
+  return [_Component(frozenset(n for side, n in nodes if side == "in"),
+                     frozenset(n for side, n in nodes if side == "out"))
+          for nodes in members.values()]
+
+
+def _nearest_updates(program: Program, donated: Sequence[int]
+                     ) -> list[tuple[int, int]]:
+  """Each output paired with the donated input nearest by pointwise
+  equations (`_updated_from`), the nearest first; the inputs and outputs
+  left, by aliasing's order."""
+  pairs, taken_in, taken_out = [], set(), set()
+  # An input returned as it is pairs last: a step that also returns a
+  # leaf's old value (for a metric) returns the leaf's update too.
+  nearest = sorted(_updated_from(program, donated),
+                   key=lambda found: (found[0] == 0, *found))
+  for _, out_position, position in nearest:
+    if position not in taken_in and out_position not in taken_out:
+      pairs.append((position, out_position))
+      taken_in.add(position)
+      taken_out.add(out_position)
+  rest = dataclasses.replace(
+      program, donated=tuple(p for p in donated if p not in taken_in),
+      outvars=tuple(None if o in taken_out else atom
+                    for o, atom in enumerate(program.outvars)))
+  return pairs + list(donation_pairs(rest))
+
+
+def _updated_from(program: Program, donated: Sequence[int]
+                  ) -> list[tuple[int, int, int]]:
+  """(equations between, output position, input position) for each
+  output and each donated input of its shape and dtype that it is made
+  from through pointwise equations alone, at most `_UPDATE_DEPTH` of
+  them."""
+  position_of = {program.invars[p]: p for p in donated
+                 if _compat.has_plain_layout(
+                     program.avals[program.invars[p]])}
+  producer = {out: equation for equation in program.equations
+              for out in equation.outputs}
+  found = []
+  for out_position, atom in enumerate(program.outvars):
+    if not isinstance(atom, int):
+      continue
+    kind = _kind(program, atom)
+    # Breadth first, so that each input is met at its fewest equations;
+    # only through values of the output's shape, as an update's are.
+    seen, frontier = {atom}, [atom]
+    for depth in range(_UPDATE_DEPTH + 1):
+      after = []
+      for value in frontier:
+        if value in position_of and _kind(program, value) == kind:
+          found.append((depth, out_position, position_of[value]))
+        equation = producer.get(value)
+        if equation is None or not _rules.rule(equation.primitive).pointwise:
+          continue
+        for source in equation.inputs:
+          if (isinstance(source, int) and source not in seen
+              and getattr(program.avals[source], "shape", None) == kind[0]):
+            seen.add(source)
+            after.append(source)
+      frontier = after
+      if not frontier:
+        break
+  return found
+
+
+def _kind(program: Program, value: int) -> tuple:
+  aval = program.avals[value]
+  return aval.shape, aval.dtype
 
 
 def update_only(program: Program, liveness: Liveness, position: int) -> bool:
@@ -145,13 +266,22 @@ def update_only(program: Program, liveness: Liveness, position: int) -> bool:
 def host_state(program: Program, liveness: Liveness,
                pairs: Sequence[tuple[int, int]], *, min_bytes: int = 0,
                only_update_read: bool = False) -> HostState:
-  """The state of `pairs` worth keeping on host: leaves of at least
-  `min_bytes` (and with `only_update_read`, only those read by the update
-  alone, the optimizer's moments, which cost one crossing each way)."""
-  chosen = [(i, o) for i, o in pairs
+  """The state of `pairs` (`state_pairs`) worth keeping on host: leaves of
+  at least `min_bytes` (and with `only_update_read`, only those read by
+  the update alone, the optimizer's moments, which cost one crossing each
+  way), with each leaf whose buffer aliasing gives to one of theirs."""
+  picked = {i for i, o in pairs
             if aval_nbytes(program.avals[program.invars[i]])
             >= max(min_bytes, 1)
-            and (not only_update_read or update_only(program, liveness, i))]
+            and (not only_update_read or update_only(program, liveness, i))}
+  # An input goes to host with the output that takes its buffer
+  # (`state_pairs`): XLA aliases only within one memory.
+  aliased = donation_pairs(dataclasses.replace(
+      program, donated=tuple(i for i, _ in pairs)))
+  for component in _components(pairs, aliased):
+    if component.inputs & picked:
+      picked |= component.inputs
+  chosen = [(i, o) for i, o in pairs if i in picked]
   rest = tuple(pair for pair in pairs if pair not in chosen)
   return HostState(tuple(i for i, _ in chosen), tuple(o for _, o in chosen),
                    rest)

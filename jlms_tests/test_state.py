@@ -102,6 +102,61 @@ def test_state_pairs_are_the_donated_inputs_returned_updated():
   assert chosen.inputs == (0,)  # "b" is 20 bytes
 
 
+def _adam_returning_state_first(width=64):
+  """A step that takes (params, opt_state) and returns them the other way
+  round: every parameter has the shape of its two moments."""
+  optimizer = optax.adam(1e-2)
+
+  def step(params, opt_state, x):
+    grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"]) @ p["v"]))(
+        params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return opt_state, optax.apply_updates(params, updates)
+
+  key = jax.random.key(0)
+  params = {name: jax.random.normal(jax.random.fold_in(key, n),
+                                    (width, width)) / width
+            for n, name in enumerate("vw")}
+  x = jax.random.normal(key, (16, width))
+  return step, (params, optimizer.init(params), x)
+
+
+def test_state_pairs_follow_each_leafs_update_not_the_return_order():
+  step, args = _adam_returning_state_first()
+  program = flatten(jax.make_jaxpr(step)(*args))
+  # Inputs: params v, w; count, mu v, w, nu v, w. Outputs: count, mu v,
+  # w, nu v, w, params v, w. Aliasing would give params' buffers to mu.
+  assert _state.state_pairs(program, range(7)) == (
+      (0, 5), (1, 6), (2, 0), (3, 1), (4, 2), (5, 3), (6, 4))
+  # XLA aliases params.w's buffer with mu.w's output: a moment of w on host
+  # takes the leaves that share its buffers along.
+  chosen = _state.host_state(program, analyse(program),
+                             _state.state_pairs(program, range(7)),
+                             min_bytes=4096, only_update_read=True)
+  assert set(zip(chosen.inputs, chosen.outputs)) <= set(
+      _state.state_pairs(program, range(7)))
+  assert set(chosen.inputs) == {0, 1, 3, 4, 5, 6}
+
+
+def test_a_step_returning_its_state_in_another_order_keeps_it_in_place():
+  # Under a budget that moves some of the moments to host, what the step
+  # returns goes back in as it came out, each leaf in the memory that the
+  # plan takes it from: no copy and no warning on the second step.
+  step, args = _adam_returning_state_first(width=1024)
+  expected = jax.jit(step)(*_copy(args))
+  expected = jax.jit(step)(expected[1], expected[0], args[2])
+  offloaded = jlms.offload(step, donate_argnums=(0, 1), budget="36MiB")
+  opt_state, params = offloaded(*offloaded.place(*_copy(args)))
+  placed = offloaded.place(_copy(args[0]), _copy(args[1]), args[2])
+  assert jax.tree.map(lambda a: _kinds(a).pop(), (params, opt_state)) == (
+      jax.tree.map(lambda a: _kinds(a).pop(), placed[:2]))
+  assert "pinned_host" in _kinds(params["w"]) | _kinds(opt_state[0].mu["w"])
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    actual = offloaded(params, opt_state, args[2])
+  _assert_close(actual, expected)
+
+
 def test_a_weights_two_moments_are_grouped_and_go_to_host_together():
   """AdamW's two moments of one weight are updated by one run, so they go
   to host together: the budget search moves both moments of one of the
@@ -1247,3 +1302,6 @@ def test_a_budget_refused_with_the_state_kept_on_the_device_says_so(
   plan = jlms.offload(step, donate_argnums=(0, 1), budget=budget).plan(
       *abstract)
   assert plan.predicted_peak_bytes <= budget and plan.state_leaves > 0
+  with pytest.raises(jlms.BudgetError, match="state_on_host=True kept"):
+    jlms.offload(step, donate_argnums=(0, 1), budget=on_host // 2,
+                 state_on_host=True).plan(*abstract)
