@@ -236,6 +236,36 @@ def mlp_case(depth=32, width=2048, batch=4096, dtype=jnp.float32) -> StepCase:
 
 
 
+def dp_sgd_mlp_case(depth=3, width=1024, batch=64, clip=1.0) -> StepCase:
+    """A tanh MLP trained by DP-SGD: per-example gradients
+    (`vmap(grad)`), each clipped to norm `clip`, averaged, plain SGD (no
+    noise: a deterministic step). Each weight's per-example gradients are
+    `batch` outer products, `batch * width**2` floats.
+
+    Step: `step(params, x, y) -> (new_params, loss)`.
+    """
+
+    def per_example_loss(params, x, y):
+        return _mlp_loss(params, x[None], y[None])
+
+    def step(params, x, y):
+        grads = jax.vmap(jax.grad(per_example_loss), in_axes=(None, 0, 0))(params, x, y)
+        norms = jnp.sqrt(sum(jnp.sum(g.reshape(batch, -1) ** 2, axis=1)
+                             for g in jax.tree.leaves(grads)))
+        scale = jnp.minimum(1.0, clip / (norms + 1e-6))
+        mean = jax.tree.map(lambda g: jnp.tensordot(scale, g, 1) / batch, grads)
+        return _sgd(params, mean), _mlp_loss(params, x, y)
+
+    def make_args():
+        params_key, x_key, y_key = jax.random.split(jax.random.key(_SEED), 3)
+        params = _init_mlp(params_key, depth, width, jnp.float32)
+        x = jax.random.normal(x_key, (batch, width))
+        y = jax.random.normal(y_key, (batch, width))
+        return params, x, y
+
+    return step_case(f"dp-sgd-mlp-d{depth}-w{width}-b{batch}", step, make_args)
+
+
 def _scanned_layer(h, layer):
     w, b = layer
     return jnp.tanh(h @ w + b), None

@@ -581,6 +581,16 @@ def contraction_flops(eqn) -> float:
   return 0.0
 
 
+def contracts_nothing(eqn) -> bool:
+  """Whether a `dot_general` contracts no dimension longer than one (an
+  outer product: `vmap(grad)`'s per-example weight gradients)."""
+  if eqn.primitive is not _prims.dot_general_p:
+    return False
+  (lhs_contracting, _), _ = _param(eqn, "dimension_numbers")
+  lhs_shape = eqn.invars[0].aval.shape
+  return all(lhs_shape[d] == 1 for d in lhs_contracting)
+
+
 def contraction_is_full_precision(eqn) -> bool:
   """Whether a float32 contraction asked for HIGHEST precision (no TF32)."""
   precision = eqn.params.get("precision")

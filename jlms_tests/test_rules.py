@@ -51,11 +51,19 @@ def test_rules_say_how_xla_treats_each_kind():
   # transposed matrix without a buffer.
   assert _rules.rule(dot).folds_transposed_matrices
   assert dataclasses.replace(_rules.rule(dot), flops=None, splits=None,
-                             folds_transposed_matrices=False) == _rules.OPAQUE
+                             folds_transposed_matrices=False,
+                             fuses_when=None) == _rules.OPAQUE
   matmul = jax.make_jaxpr(lambda a, b: a @ b)(
       jax.ShapeDtypeStruct((4, 8), "float32"),
       jax.ShapeDtypeStruct((8, 16), "float32")).jaxpr.eqns[0]
   assert _rules.flops(matmul) == 2 * 4 * 8 * 16
+  assert not _rules.is_fusible_equation(matmul)
+  # An outer product (a contraction over one element) is a multiply to
+  # XLA, fused into its readers.
+  outer = jax.make_jaxpr(lambda a, b: a @ b)(
+      jax.ShapeDtypeStruct((4, 1), "float32"),
+      jax.ShapeDtypeStruct((1, 16), "float32")).jaxpr.eqns[0]
+  assert _rules.is_fusible_equation(outer)
   assert _rules.flops(jax.make_jaxpr(jnp.tanh)(1.0).jaxpr.eqns[0]) == 0
 
 
