@@ -247,7 +247,18 @@ def _place_kernels(program: Program, liveness: Liveness,
       return -1
     if reads[-1] >= n:
       return n
-    return int(max(executes_at[r] for r in reads))
+    latest = -1
+    for r in reads:
+      if not aliasing[r]:
+        latest = max(latest, int(executes_at[r]))
+        continue
+      # A barrier's operand is its output at the same place, alive until
+      # that output's last read (each its own buffer after the barrier,
+      # not all until the last of them is read).
+      for operand, out in zip(equations[r].inputs, equations[r].outputs):
+        if operand == value:
+          latest = max(latest, r, int(last_read[out]))
+    return latest
 
   def buffers_behind(value: int) -> tuple[int, ...]:
     """The buffers that computing `value` inline reads: its operands,
