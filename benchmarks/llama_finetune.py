@@ -3,7 +3,7 @@
 
     JAX_PLATFORMS=cpu python -m benchmarks.llama_finetune [--size 8b|70b]
         [--layers N] [--batch B ...] [--host-budget 120GiB]
-        [--budget 76.9GiB] [--json PATH]
+        [--budget 76.9GiB] [--accumulate K] [--json PATH]
 
 Hugging Face `transformers`' `FlaxLlamaForCausalLM` (a pinned 4.x) at
 Llama-3-8B's configuration (32 layers, width 4096, 32 heads, 8 key/value
@@ -87,8 +87,12 @@ SIZES = {
 }
 
 
-def llama_step(size: str, layers: int | None = None, batch: int | None = None):
-  """(step, abstract args on H100 devices, parameter count, devices)."""
+def llama_step(size: str, layers: int | None = None, batch: int | None = None,
+               accumulate: int = 1):
+  """(step, abstract args on H100 devices, parameter count, batch,
+  devices). `accumulate` > 1: the step adds up the gradients of that many
+  microbatches of `batch` rows each by `jax.lax.scan`, then updates once
+  (its batch is `accumulate * batch`)."""
   from transformers import FlaxLlamaForCausalLM, LlamaConfig
   spec = SIZES[size]
   shape = dict(spec["config"])
@@ -100,7 +104,12 @@ def llama_step(size: str, layers: int | None = None, batch: int | None = None):
                        **shape)
   model = FlaxLlamaForCausalLM(config, dtype=jnp.bfloat16, _do_init=False)
   optimizer = real_models._adamw()
-  step = real_models._causal_lm_step(model, optimizer, dropout=False)
+  if accumulate > 1:
+    step = real_models._causal_lm_accumulating_step(model, optimizer,
+                                                    accumulate)
+    batch *= accumulate
+  else:
+    step = real_models._causal_lm_step(model, optimizer, dropout=False)
   make_args = real_models._causal_lm_args(model, optimizer, batch, SEQUENCE,
                                           config.vocab_size)
   abstract = jax.eval_shape(make_args)
@@ -116,8 +125,10 @@ def llama_step(size: str, layers: int | None = None, batch: int | None = None):
 
 
 def measure(size: str, layers: int | None, batch: int | None,
-            host_budget: str, budget: str | None = None) -> dict:
-  step, args, parameters, batch, devices = llama_step(size, layers, batch)
+            host_budget: str, budget: str | None = None,
+            accumulate: int = 1) -> dict:
+  step, args, parameters, batch, devices = llama_step(size, layers, batch,
+                                                      accumulate)
   offloaded = jlms.offload(step, donate_argnums=(0,), host_budget=host_budget,
                            **({} if budget is None else {"budget": budget}))
   start = time.perf_counter()
@@ -127,7 +138,8 @@ def measure(size: str, layers: int | None, batch: int | None,
   schedule = schedule_columns(load_yardstick().estimate(memory.hlo_text))
   schedule_ms = schedule["schedule_ms"]
   row = {"size": size, "devices": devices, "batch": batch,
-         "sequence": SEQUENCE, "parameters": parameters,
+         "microbatches": accumulate, "sequence": SEQUENCE,
+         "parameters": parameters,
          "planning_s": round(planning_s, 1),
          "peak_gib": round(memory.peak_bytes / 2**30, 2),
          "host_argument_gib": round(memory.host_argument_bytes / 2**30, 2),
@@ -169,6 +181,10 @@ def main(argv=None) -> dict:
                            "simulator alone (\"76.9GiB\"), instead of the "
                            "device's memory confirmed by XLA; XLA's bytes "
                            "are measured and reported either way")
+  parser.add_argument("--accumulate", type=int, default=1,
+                      help="microbatches of each --batch a step adds up "
+                           "the gradients of (by jax.lax.scan) before one "
+                           "update; its batch is that many times larger")
   parser.add_argument("--json", default=None)
   options = parser.parse_args(argv)
   spec = SIZES[options.size]
@@ -177,7 +193,7 @@ def main(argv=None) -> dict:
   for batch in options.batch or [None]:
     try:
       rows.append(measure(options.size, options.layers, batch, host_budget,
-                          options.budget))
+                          options.budget, options.accumulate))
     except jlms.BudgetError as error:  # this batch does not fit
       rows.append({"size": options.size, "batch": batch,
                    "error": str(error).splitlines()[0]})

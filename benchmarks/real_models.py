@@ -315,6 +315,31 @@ def _causal_lm_step(model, optimizer, dropout: bool):
     return step
 
 
+def _causal_lm_accumulating_step(model, optimizer, microbatches: int):
+    """`_causal_lm_step` (no dropout) over `microbatches` equal microbatches
+    of its batch, their gradients added up in float32 by `jax.lax.scan`
+    (gradient accumulation as users write it) before one update."""
+
+    def loss_fn(params, tokens):
+        return _next_token_loss(model(tokens, params=params).logits, tokens)
+
+    def step(state, tokens):
+        params, opt_state, key = state
+        micro = tokens.reshape(microbatches, -1, tokens.shape[-1])
+
+        def one(total, part):
+            loss, grads = jax.value_and_grad(loss_fn)(params, part)
+            return jax.tree.map(jnp.add, total, (loss, grads)), None
+
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(one, zero, micro)
+        grads = jax.tree.map(lambda g: g / microbatches, grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, key), loss / microbatches
+
+    return step
+
+
 def _causal_lm_args(model, optimizer, batch, seq, vocab):
     def make_args():
         params = model.init_weights(jax.random.key(_SEED), (1, 8))
@@ -325,13 +350,19 @@ def _causal_lm_args(model, optimizer, batch, seq, vocab):
 
 
 def _causal_lm(name, model_class, config, batch, seq, dropout: bool,
-               remat_layer=None) -> RealStep:
+               remat_layer=None, microbatches: int = 1) -> RealStep:
     """A Hugging Face Flax causal LM of `config`, float32, trained by
     AdamW on `batch` x `seq` tokens; `remat_layer` (module, class name):
-    that layer class rematerialized."""
+    that layer class rematerialized; `microbatches` > 1: their gradients
+    accumulated by `jax.lax.scan` (`_causal_lm_accumulating_step`, no
+    dropout)."""
     model = model_class(config, dtype=jnp.float32, _do_init=False)
     optimizer = _adamw()
-    step = _causal_lm_step(model, optimizer, dropout=dropout)
+    if microbatches > 1:
+        step = _causal_lm_accumulating_step(model, optimizer, microbatches)
+        name += f"-accumulating{microbatches}"
+    else:
+        step = _causal_lm_step(model, optimizer, dropout=dropout)
     make_args = _causal_lm_args(model, optimizer, batch, seq,
                                 config.vocab_size)
     if remat_layer is not None:
@@ -341,14 +372,16 @@ def _causal_lm(name, model_class, config, batch, seq, dropout: bool,
 
 
 def llama(size: str = "tiny", remat: bool = False,
-          batch: int | None = None) -> RealStep:
+          batch: int | None = None, microbatches: int = 1) -> RealStep:
     """`FlaxLlamaForCausalLM` from a `LlamaConfig`, float32: tiny is 2
     layers of width 64 (4 heads, 2 key/value heads, MLP 128), vocabulary
     4096 (the embedding and the head 1 MiB each), batch 2 x sequence 256
     (attention weights 2 MiB a layer); realistic is Llama-3.2-3B's shape
     (28 layers, width 3072, 24 heads, 8 key/value heads, MLP 8192,
     vocabulary 128256, tied embeddings) at batch 4 x sequence 2048.
-    `batch`: another batch (one that a mesh's devices divide)."""
+    `batch`: another batch (one that a mesh's devices divide);
+    `microbatches`: the step adds up the gradients of that many parts of
+    it by `jax.lax.scan` before its update."""
     _check_size(size)
     from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
@@ -370,7 +403,7 @@ def llama(size: str = "tiny", remat: bool = False,
         f"llama-{size}", FlaxLlamaForCausalLM, config, batch or rows, seq,
         dropout=False,
         remat_layer=((modeling_flax_llama, "FlaxLlamaDecoderLayer")
-                     if remat else None))
+                     if remat else None), microbatches=microbatches)
 
 
 def gpt2(size: str = "tiny", remat: bool = False) -> RealStep:

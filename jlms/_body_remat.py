@@ -42,7 +42,7 @@ from jlms._config import OffloadConfig
 from jlms._liveness import analyse
 from jlms._loop_remat import (cheapest, loop_rematerializations,
                               rematerialize_in_loops)
-from jlms._program import Program, flatten
+from jlms._program import Program, scan_body
 from jlms._retrace import atom_aval, traced_call, unwrapped_call
 from jlms._rewrite import rewrite
 from jlms._segment_remat import (forward_cuts, forward_end,
@@ -60,18 +60,6 @@ class BodyRemat:
   index: int
   body: Program
   freed: int
-
-
-def _body_program(eqn) -> tuple[Program, list]:
-  """A scan's body as a flat program whose inputs are the body's own
-  constants, then its consts, carries and scanned slices; and those
-  constants' values."""
-  layout = _compat.scan_layout(eqn)
-  jaxpr, consts = _compat.jaxpr_parts(layout.body)
-  closed = _compat.closed_jaxpr(
-      [], [], list(jaxpr.constvars) + list(jaxpr.invars), jaxpr.outvars,
-      jaxpr.eqns, jaxpr.debug_info)
-  return flatten(closed), consts
 
 
 def _remade_body(body: Program, every: int) -> tuple[Program, int]:
@@ -106,7 +94,7 @@ def bodies_with_backward(program: Program, min_bytes: int, every: int = 1
     if equation.primitive.name != "scan":
       continue
     try:
-      body, _ = _body_program(equation.eqn)
+      body, _ = scan_body(equation.eqn)
       end = forward_end(body)
       if not end:  # no backward pass, or no forward pass before it
         continue
@@ -137,7 +125,7 @@ def remade_in_bodies(program: Program, remats: tuple[BodyRemat, ...]
 def _scan_with_body(equation, body: Program, avals):
   """A nested-jit equation running `equation`'s scan (same length,
   direction, inputs and outputs) over `body`, a flat program laid out as
-  `_body_program` lays out its body."""
+  `jlms._program.scan_body` lays out its body."""
   layout = _compat.scan_layout(equation.eqn)
   _, body_consts = _compat.jaxpr_parts(layout.body)
   # Its weight gradients made before each remaking, not held to the end

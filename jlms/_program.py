@@ -181,6 +181,18 @@ def flatten(closed_jaxpr, inline_calls: bool = True) -> Program:
   return Program(invars, tuple(outvars), tuple(equations), tuple(avals))
 
 
+def scan_body(eqn) -> tuple[Program, list]:
+  """A scan equation's body as a flat program whose inputs are the body's
+  own constants, then its consts, carries and scanned slices; and those
+  constants' values."""
+  layout = _compat.scan_layout(eqn)
+  jaxpr, consts = _compat.jaxpr_parts(layout.body)
+  closed = _compat.closed_jaxpr(
+      [], [], list(jaxpr.constvars) + list(jaxpr.invars), jaxpr.outvars,
+      jaxpr.eqns, jaxpr.debug_info)
+  return flatten(closed), consts
+
+
 def _barrier_remat_inputs(eqn, inputs, stack, new_id, equations) -> list:
   """`inputs` of checkpoint `eqn`, the CSE-protected ones replaced by the
   outputs of one optimization barrier appended to `equations`."""

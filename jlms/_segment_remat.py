@@ -81,6 +81,9 @@ class SegmentRemat:
   chain: tuple[int, ...]
   remade: tuple[int, ...]
   before: int
+  #: The first equation of the backward pass of the segment's forward
+  #: pass.
+  forward_end: int
 
 
 def forward_end(program: Program) -> int | None:
@@ -92,42 +95,73 @@ def forward_end(program: Program) -> int | None:
   return None
 
 
+def forward_passes(program: Program) -> tuple[tuple[int, int], ...]:
+  """(start, end) of each forward pass of `program`: its equations
+  [start, end), `end` the first equation of its backward pass. The first
+  pass starts at the step's start; each later one (a step that
+  accumulates microbatches in a Python loop or an unrolled scan, or
+  differentiates twice) at the first equation after a backward pass that
+  is not made under `transpose`, where a contraction runs before the next
+  backward pass (an optimizer's update between the passes has none)."""
+  backward = [made_in_backward(str(e.name_stack))
+              for e in program.equations]
+  passes, start = [], 0
+  while True:
+    end = next((i for i in range(start, len(backward)) if backward[i]),
+               None)
+    if end is None:
+      return tuple(passes)
+    if not passes or any(_rules.flops(e.eqn) > 0
+                         for e in program.equations[start:end]):
+      passes.append((start, end))
+    start = next((i for i in range(end, len(backward)) if not backward[i]),
+                 len(backward))
+
+
 def forward_cuts(program: Program, liveness: Liveness) -> tuple[int, ...]:
-  """The cut positions of the forward pass (see the module docstring): an
+  """The cut positions of each forward pass (see the module docstring): an
   equation index per cut, the first of a run of places that each carry
   little across."""
-  end = forward_end(program)
-  if end is None or end < 2:
-    return ()
-  carried = _carried_bytes(program, liveness, end)
+  cuts = []
+  for start, end in forward_passes(program):
+    if end - start >= 2:
+      cuts += _pass_cuts(program, liveness, start, end)
+  return tuple(cuts)
+
+
+def _pass_cuts(program: Program, liveness: Liveness, start: int,
+               end: int) -> list[int]:
+  """The cuts of the forward pass of equations [start, end)."""
+  carried = _carried_bytes(program, liveness, start, end)
   middle = carried[carried >= _MIDDLE_SHARE * np.median(carried)]
   if not middle.size:
-    return ()
+    return []
   least = middle.min()
   # A run of places that each carry little is one cut (a residual add,
   # then the elementwise steps that read it alone: dropout, a norm's
   # statistics), and so are runs that carry the same largest value (a
   # norm's centred input, carried beside its input, parts two runs).
   at_most = carried <= _CUT_SLACK * least
-  starts = np.flatnonzero(at_most & ~np.concatenate([[False], at_most[:-1]]))
-  largest = _largest_carried(liveness, [int(i) for i in starts], end)
+  starts = start + np.flatnonzero(
+      at_most & ~np.concatenate([[False], at_most[:-1]]))
+  largest = _largest_carried(liveness, [int(i) for i in starts], start, end)
   cuts, previous = [], object()
-  for start, value in zip(starts, largest):
+  for place, value in zip(starts, largest):
     if value != previous:
-      cuts.append(int(start))
+      cuts.append(int(place))
     previous = value
-  return tuple(cuts)
+  return cuts
 
 
-def _largest_carried(liveness, places, end) -> list:
-  """For each of `places` (forward equation indices, increasing), the
-  largest value made at or before it that a forward equation after it
-  reads."""
+def _largest_carried(liveness, places, start, end) -> list:
+  """For each of `places` (indices of the forward pass [start, end),
+  increasing), the largest value made at or before it in that pass that a
+  forward equation after it reads."""
   best = [None] * len(places)
   best_size = [0] * len(places)
   for value, size in enumerate(liveness.nbytes):
     made_by = liveness.producer[value]
-    if size == 0 or made_by < 0 or made_by >= end:
+    if size == 0 or made_by < start or made_by >= end:
       continue
     last = _last_forward_read(liveness, value, end)
     k = bisect.bisect_left(places, made_by)
@@ -138,19 +172,23 @@ def _largest_carried(liveness, places, end) -> list:
   return best
 
 
-def _carried_bytes(program, liveness, end) -> np.ndarray:
-  """carried[i]: bytes of the values made at or before forward equation
-  `i` that a forward equation after `i` reads."""
-  delta = np.zeros(end + 1)
+def _carried_bytes(program, liveness, start, end) -> np.ndarray:
+  """carried[i - start]: bytes of the values made at or before equation
+  `i` of the forward pass [start, end) that a later equation of that pass
+  reads. Not a barrier's outputs, which are values made before (a later
+  microbatch's parameters, `jlms._unroll`), as the step's arguments are
+  not."""
+  delta = np.zeros(end - start + 1)
   for value, size in enumerate(liveness.nbytes):
     made_by = liveness.producer[value]
-    if size == 0 or made_by < 0 or made_by >= end:
+    if (size == 0 or made_by < start or made_by >= end or _rules.rule(
+        program.equations[made_by].primitive).aliases_operands):
       continue
     last = _last_forward_read(liveness, value, end)
     if last > made_by:
-      delta[made_by] += size
-      delta[last] -= size
-  return np.cumsum(delta)[:end]
+      delta[made_by - start] += size
+      delta[last - start] -= size
+  return np.cumsum(delta)[:end - start]
 
 
 def _last_forward_read(liveness: Liveness, value: int, end: int) -> int:
@@ -165,22 +203,21 @@ def _last_forward_read(liveness: Liveness, value: int, end: int) -> int:
 def segment_remats(program: Program, liveness: Liveness,
                    cuts: tuple[int, ...], every: int = 1, phase: int = 0
                    ) -> tuple[SegmentRemat, ...]:
-  """The remaking of each segment between every `every`-th cut from the
-  `phase`-th on (1: each sub-block of a transformer; 2: each block, or
-  each MLP with the next attention, as `phase` says: a segment remakes
-  the values its own later equations read, so the phase decides which
-  sub-block's last matmul is remade). The segment before the first cut
-  and after the last stay as they are: the backward pass starts right
-  after the last, and the first holds the embedding's lookup."""
-  end = forward_end(program)
-  if end is None:
-    return ()
-  chosen = cuts[phase::every]
+  """The remaking of each segment between every `every`-th cut of each
+  forward pass from the `phase`-th on (1: each sub-block of a
+  transformer; 2: each block, or each MLP with the next attention, as
+  `phase` says: a segment remakes the values its own later equations
+  read, so the phase decides which sub-block's last matmul is remade).
+  The segment before a pass's first cut and after its last stay as they
+  are: the backward pass starts right after the last, and the first
+  holds the embedding's lookup."""
   remats = []
-  for start, stop in zip(chosen, chosen[1:]):
-    remat = _segment(program, liveness, start, stop, end)
-    if remat is not None:
-      remats.append(remat)
+  for start, end in forward_passes(program):
+    chosen = [c for c in cuts if start <= c < end][phase::every]
+    for first, last in zip(chosen, chosen[1:]):
+      remat = _segment(program, liveness, first, last, end)
+      if remat is not None:
+        remats.append(remat)
   return tuple(remats)
 
 
@@ -216,15 +253,14 @@ def _segment(program, liveness, start, stop, end) -> SegmentRemat | None:
           and _rules.is_recomputable(program.equations[made_by].eqn)
           and _last_forward_read(liveness, atom, end) <= stop):
         stack.append(made_by)
-  return SegmentRemat(tuple(sorted(chain)), tuple(remade), first_read)
+  return SegmentRemat(tuple(sorted(chain)), tuple(remade), first_read, end)
 
 
 def kept_tail(profile: np.ndarray, liveness: Liveness,
-              remats: tuple[SegmentRemat, ...], end: int,
+              remats: tuple[SegmentRemat, ...],
               materialized: np.ndarray | None = None,
               rise: float = 0.0) -> int:
-  """How many of the last of `remats` (in forward order; `end` the
-  first backward equation) can be left out, their activations kept, with
+  """How many of the last of `remats` (in forward order) can be left out, their activations kept, with
   the program's peak at most `rise` (a share) above its peak with all of
   them remade.
 
@@ -247,7 +283,8 @@ def kept_tail(profile: np.ndarray, liveness: Liveness,
     for value in remat.remade:
       if materialized is not None and not materialized[value]:
         continue
-      freed_from = max(_last_forward_read(liveness, value, end),
+      freed_from = max(_last_forward_read(liveness, value,
+                                          remat.forward_end),
                        liveness.producer[value]) + 1
       if freed_from < remat.before:
         delta[freed_from] += liveness.nbytes[value]

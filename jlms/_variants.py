@@ -22,14 +22,16 @@ fastest that fits. The ways, in order:
   them remade;
 - `BodiesRemaking(every)`: loops whose body runs a whole forward and
   backward pass (gradient accumulation) remaking inside it, as the last
-  two do for the step (`jlms._body_remat`).
+  two do for the step (`jlms._body_remat`);
+- `LoopsUnrolled`: those loops, when short, unrolled into the step
+  (`jlms._unroll`), as it is and with each microbatch's segments remade.
 
 Every way starts from the step's program with the runs of equations that
 alone bound its memory run over chunks of the batch (`jlms._batch_split`,
 where `split_batch` is on) and, where the state stays on the device, each
 parameter's update moved to where its gradient is made
-(`jlms._update_order`); the last three from that program with its inputs
-sunk. A way that
+(`jlms._update_order`); `InputsMadeInLoops` to `LoopsRemakingStreamed` from that
+program with its inputs sunk. A way that
 cannot be built for a step (a pass that cannot rewrite its loops) is left
 out, with a debug log line that says why; the step as it is always stays.
 
@@ -57,10 +59,11 @@ from jlms._loop_sink import loop_sinks, sink_into_loops
 from jlms._loops import find_scan_residuals, offload_scan_residuals
 from jlms._placement import place_fused_at_readers
 from jlms._retrace import unwrapped_call
-from jlms._segment_remat import (forward_cuts, forward_end, kept_tail,
+from jlms._segment_remat import (forward_cuts, kept_tail,
                                  rematerialize_segments, segment_remats)
 from jlms._simulator import analyse_fusion, simulate
 from jlms._state import keep_state_on_host
+from jlms._unroll import accumulation_loops, unrolled
 from jlms._update_order import updates_at_gradients
 
 log = logging.getLogger("jlms")
@@ -89,8 +92,16 @@ class _Start:
   program: object
   liveness: object
   split_runs: tuple
+  #: Loops unrolled into it (`jlms._unroll`).
+  unrolled_loops: int = 0
+  #: The same start from the step with its short gradient-accumulation
+  #: loops unrolled; None where it has none.
+  unrolled: "_Start | None" = None
 
   def way(self, program, liveness, residuals, description) -> Way:
+    if self.unrolled_loops:
+      description += (f", {self.unrolled_loops} accumulation loops "
+                      "unrolled")
     if self.split_runs:
       description += f", {len(self.split_runs)} runs split over the batch"
     return Way(program, liveness, residuals, description, self.split_runs)
@@ -242,7 +253,7 @@ class SegmentsRemaking:
           fusion = analyse_fusion(start.program, start.liveness)
           timeline = simulate(start.program, start.liveness, (), fusion)
         kept = kept_tail(timeline.device_bytes, start.liveness, remats,
-                         forward_end(start.program), fusion.materialized,
+                         fusion.materialized,
                          rise=_KEPT_TAIL_RISE)
         log.debug("jlms: %s: the last %d of them may be kept, the "
                   "simulated peak rising at most %.0f%%", described, kept,
@@ -280,6 +291,25 @@ class BodiesRemaking:
           f"activations" + (" per block" if every > 1 else ""))
 
 
+class LoopsUnrolled:
+  """Short gradient-accumulation loops unrolled into the step
+  (`jlms._unroll`): the step then planned as one whose microbatches are a
+  Python loop, as it is and with each microbatch's forward pass cut into
+  segments remade (`SegmentsRemaking`). Beside `BodiesRemaking`, which
+  remakes inside the loop: on small steps that lower (a 6-layer MLP of 4
+  microbatches, by XLA: 49 MiB remade in the body, 54 unrolled), on large
+  ones it cannot (8 of Llama-3-8B's layers, 2 microbatches of 4 x 4096
+  tokens: 45.3 GiB that the body makes and drops)."""
+
+  def ways(self, start, sunk: _Sunk, config, target) -> Iterator[Way]:
+    if start.unrolled is None:
+      return
+    unrolled_start = start.unrolled
+    yield unrolled_start.way(unrolled_start.program, unrolled_start.liveness,
+                             (), "loops as they are")
+    yield from SegmentsRemaking().ways(unrolled_start, None, config, target)
+
+
 #: A way with its last segments kept, not remade, raises the simulator's
 #: peak by at most this share (the all-remade way stays beside it for the
 #: budgets that this leaves out). Their activations only live across the
@@ -299,7 +329,7 @@ _MIN_SEGMENTS = 4
 #: The strategies, in the order the search tries them.
 STRATEGIES = (LoopsAsTheyAre(), InputsMadeInLoops(), LoopsRemaking(),
               ResidualsStreamed(), LoopsRemakingStreamed(), SegmentsRemaking(),
-              BodiesRemaking())
+              BodiesRemaking(), LoopsUnrolled())
 
 
 def loop_ways(plain: AnalysedProgram, config: OffloadConfig,
@@ -325,16 +355,21 @@ def loop_ways(plain: AnalysedProgram, config: OffloadConfig,
 
 
 def _start(plain: AnalysedProgram, config: OffloadConfig,
-           devices: int = 1, least_memory: bool = False) -> _Start:
-  """The step's program, with its runs split over the batch where
-  `config.split_batch` (a split that fails leaves the step as it is), and,
-  where the state stays on the device, each parameter's update where its
-  gradient is made (`jlms._update_order`)."""
-  program, described = plain.program, ()
+           devices: int = 1, least_memory: bool = False,
+           program=None) -> _Start:
+  """The step's program (or `program`, a rewrite of it), with its runs
+  split over the batch where `config.split_batch` (a split that fails
+  leaves the step as it is), and, where the state stays on the device,
+  each parameter's update where its gradient is made
+  (`jlms._update_order`). With its short gradient-accumulation loops
+  unrolled, the same again as its `unrolled` start (`jlms._unroll`)."""
+  described = ()
+  given = program
+  program = plain.program if program is None else program
   if config.split_batch:
     try:
       program, described = split_runs(
-          plain.program, devices=devices,
+          program, devices=devices,
           totals_from_first_chunk=not least_memory)
     except Exception as error:  # noqa: BLE001 -- the split only
       log.debug("jlms: no batch split (%s: %s)", type(error).__name__,
@@ -345,9 +380,24 @@ def _start(plain: AnalysedProgram, config: OffloadConfig,
     # activations (Llama-3.2-3B's least memory: 14.48 GiB by XLA with the
     # updates moved, 8.64 as the step has them).
     program = updates_at_gradients(program)
+  if given is not None:
+    return _Start(program, analyse(program), tuple(described))
+  unrolled_start = None
+  if config.scan_residuals:
+    try:
+      loops = accumulation_loops(plain.program)
+      if loops:
+        unrolled_start = dataclasses.replace(
+            _start(plain, config, devices, least_memory,
+                   unrolled(plain.program, loops)),
+            unrolled_loops=len(loops))
+    except Exception as error:  # noqa: BLE001 -- the unrolling only
+      log.debug("jlms: no loop unrolled (%s: %s)", type(error).__name__,
+                error)
   if program is plain.program:
-    return _Start(plain.program, plain.liveness, ())
-  return _Start(program, analyse(program), tuple(described))
+    return _Start(plain.program, plain.liveness, (), unrolled=unrolled_start)
+  return _Start(program, analyse(program), tuple(described),
+                unrolled=unrolled_start)
 
 
 def _sunk(start: _Start) -> _Sunk:

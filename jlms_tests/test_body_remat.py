@@ -58,11 +58,15 @@ def _accumulating_step(loss_fn):
   return step, (params, batch)
 
 
-def _run(program, args):
+def _jitted(program):
+  """`program`, rewritten as it is, as a jitted function of its inputs."""
   closed = rewrite(program, (), OffloadConfig())
   jaxpr, consts = _compat.jaxpr_parts(closed)
-  return jax.jit(lambda *a: _compat.eval_jaxpr(jaxpr, consts, *a))(
-      *jax.tree.leaves(args))
+  return jax.jit(lambda *a: _compat.eval_jaxpr(jaxpr, consts, *a))
+
+
+def _run(program, args):
+  return _jitted(program)(*jax.tree.leaves(args))
 
 
 @pytest.mark.parametrize("loss_fn", [_python_loop_loss, _scanned_loss])

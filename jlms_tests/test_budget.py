@@ -19,6 +19,7 @@ from jlms._liveness import analyse
 from jlms._plan import format_bytes
 from jlms._program import flatten
 from jlms._simulator import simulate
+from jlms._unroll import MAX_ITERATIONS
 from jlms_tests.conftest import (F32_TOLERANCE, PLATFORM, compiled_as,
                                  max_relative_error, plan_as_without_a_gpu)
 
@@ -599,12 +600,14 @@ def test_a_budget_bounded_by_a_loop_body_names_the_loop(target):
                                                params), xs)
     return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
+  # More iterations than jlms unrolls (`jlms._unroll`): of 2, the
+  # unrolled step's least is 8.56 MiB, its loss's rows split.
   params = [jax.ShapeDtypeStruct((128, 128), "float32")] * 8
-  xs = jax.ShapeDtypeStruct((2, 2048, 128), "float32")
+  xs = jax.ShapeDtypeStruct((MAX_ITERATIONS + 1, 2048, 128), "float32")
   with pytest.raises(jlms.BudgetError,
                      match=r"one iteration of the loop .*scan.* makes and "
                      r"drops inside its body.*fewer rows an iteration"):
-    jlms.offload(step, budget="8MiB", target=target).plan(params, xs)
+    jlms.offload(step, budget="14MiB", target=target).plan(params, xs)
 
 
 def test_a_host_budget_bounds_what_is_copied_out():

@@ -90,9 +90,9 @@ class _Model:
   and the least-memory step, its plan and jlms's log of planning it, each
   made when first asked for."""
 
-  def __init__(self, name):
+  def __init__(self, name, case=None):
     self.name = name
-    self.case = REAL_MODELS[name]("tiny")
+    self.case = REAL_MODELS[name]("tiny") if case is None else case
     self._expected = None
     self._least = None
 
@@ -244,6 +244,22 @@ def test_the_least_memory_plan_gives_jax_jits_outputs(model):
   assert bool(plan.split_over_batch) == (model.name in SPLIT), plan
   if model.name in SPLIT:
     assert "split over the batch" in str(plan), plan
+  _assert_outputs_agree(model, step, plan)
+
+
+def test_a_llama_accumulating_microbatches_by_scan_trains_as_jax_jit():
+  # The tiny Llama's step over 2 microbatches of 2 rows, their gradients
+  # added up by `jax.lax.scan`: its least memory keeps the state on host
+  # and remakes or copies activations, among ways that unroll the loop
+  # (`jlms._unroll`); three steps equal jax.jit's.
+  pytest.importorskip(LIBRARY["llama"])
+  model = _Model("llama", REAL_MODELS["llama"]("tiny", batch=4,
+                                                microbatches=2))
+  step, plan, log = model.least_memory()
+  assert plan.predicted_peak_bytes < 0.7 * plan.baseline_peak_bytes, plan
+  assert plan.offloaded and plan.state_leaves > 0, plan
+  assert "1 accumulation loops unrolled" in log, log
+  assert " left out (" not in log and "way for this step (" not in log, log
   _assert_outputs_agree(model, step, plan)
 
 

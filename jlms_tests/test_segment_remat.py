@@ -119,7 +119,6 @@ def test_the_last_segments_kept_are_as_many_as_leave_the_peak_as_it_is():
   # segment raises the simulator's peak.
   program, liveness, _ = _program()
   cuts = _segment_remat.forward_cuts(program, liveness)
-  end = _segment_remat.forward_end(program)
   profile = live_bytes_by_equation(liveness)
 
   def peak(remats):
@@ -128,13 +127,12 @@ def test_the_last_segments_kept_are_as_many_as_leave_the_peak_as_it_is():
 
   for every in (1, 2):
     remats = _segment_remat.segment_remats(program, liveness, cuts, every)
-    kept = _segment_remat.kept_tail(profile, liveness, remats, end)
+    kept = _segment_remat.kept_tail(profile, liveness, remats)
     assert 1 <= kept < len(remats)
     assert peak(remats[:-kept]) == peak(remats)
     assert peak(remats[:-kept - 1]) > peak(remats)
     # Allowed a rise of the peak, it keeps more, within that rise.
-    more = _segment_remat.kept_tail(profile, liveness, remats, end,
-                                    rise=1.0)
+    more = _segment_remat.kept_tail(profile, liveness, remats, rise=1.0)
     assert kept < more < len(remats)
     assert peak(remats[:-more]) <= 2 * peak(remats)
 
