@@ -125,9 +125,14 @@ class _Builder:
     for equation in body.equations:
       outputs = tuple(self.new_id(body.avals[v]) for v in equation.outputs)
       env.update(zip(equation.outputs, outputs))
+      stack = name_stack + equation.name_stack
+      # A distinct equation object an iteration (passes key equations by
+      # identity: `jlms._variants` re-indexes a way's copies by it).
+      eqn = _compat.rebuilt_equation(
+          equation.eqn, equation.eqn.invars,
+          [_compat.new_var(body.avals[v]) for v in equation.outputs], stack)
       self.equations.append(Equation(
-          equation.eqn, tuple(read(a) for a in equation.inputs), outputs,
-          name_stack + equation.name_stack))
+          eqn, tuple(read(a) for a in equation.inputs), outputs, stack))
     return [read(a) for a in body.outvars]
 
 

@@ -34,6 +34,10 @@ def test_an_unrolled_accumulation_loop_computes_the_same_values(loss_fn):
   # Its layers' own scans, a forward and a backward one a microbatch, stay.
   layer_scans = 2 if loss_fn is _scanned_loss else 0
   assert _scans(unrolled_program) == MICROBATCHES * layer_scans
+  # Each iteration's equations its own objects: a way's copies are
+  # re-indexed by equation identity (`jlms._variants`).
+  assert len({id(e.eqn) for e in unrolled_program.equations}) == len(
+      unrolled_program.equations)
   assert max_relative_error(_run(unrolled_program, args),
                             _run(program, args)) <= F32_TOLERANCE
 
