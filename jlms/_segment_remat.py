@@ -101,8 +101,9 @@ def forward_passes(program: Program) -> tuple[tuple[int, int], ...]:
   pass starts at the step's start; each later one (a step that
   accumulates microbatches in a Python loop or an unrolled scan, or
   differentiates twice) at the first equation after a backward pass that
-  is not made under `transpose`, where a contraction runs before the next
-  backward pass (an optimizer's update between the passes has none)."""
+  is not made under `transpose`, where a contraction or a loop (a layer
+  stack's scan) runs before the next backward pass (an optimizer's update
+  between the passes has neither)."""
   backward = [made_in_backward(str(e.name_stack))
               for e in program.equations]
   passes, start = [], 0
@@ -112,6 +113,7 @@ def forward_passes(program: Program) -> tuple[tuple[int, int], ...]:
     if end is None:
       return tuple(passes)
     if not passes or any(_rules.flops(e.eqn) > 0
+                         or _compat.sub_jaxprs(e.eqn)
                          for e in program.equations[start:end]):
       passes.append((start, end))
     start = next((i for i in range(end, len(backward)) if not backward[i]),
@@ -323,14 +325,21 @@ def rematerialize_segments(program: Program,
 
   # Only values the backward pass made tie a remaking to its place (a
   # parameter read there, tied too, would reach the update through the
-  # barrier).
-  end = forward_end(program) or 0
-  made_backward = {v for e in program.equations[end:] for v in e.outputs}
+  # barrier): from the first backward equation of the remaking's own
+  # forward pass on (a later microbatch's forward values are no such).
+  made_from: dict[int, frozenset] = {}
+
+  def made_backward(remat):
+    if remat.forward_end not in made_from:
+      made_from[remat.forward_end] = frozenset(
+          v for e in program.equations[remat.forward_end:]
+          for v in e.outputs)
+    return made_from[remat.forward_end]
   fills = _constant_fills(program)
   for index, equation in enumerate(program.equations):
     for remat in by_place.get(index, ()):
       equations.extend(_remade(program, remat, equation, read, renamed,
-                               new_id, made_backward, fills))
+                               new_id, made_backward(remat), fills))
     equations.append(dataclasses.replace(
         equation, inputs=tuple(read(a) for a in equation.inputs)))
   outvars = tuple(read(a) for a in program.outvars)

@@ -23,10 +23,11 @@ Two pure steps: `accumulation_loops` (analysis) and `unrolled` (rewrite).
 Guarantees: the rewritten program computes exactly what the program
 computes (the same equations on the same values, in the scan's order, its
 carry threaded through); values after the loop read the same results
-under new ids; a scan that cannot be unrolled is left as it is, with a
-debug log line that says why. Each iteration after the first reads its
-inputs (the loop's constants, the carry, its slices) through one
-optimization barrier with the carry the iteration before made, so that,
+under new ids; a loop whose iterations nothing orders raises
+`CannotUnroll`, and the caller plans the step as it is. Each iteration after the first reads its
+inputs (the loop's constants, the carry, the scanned inputs it slices)
+through one optimization barrier with what the iteration before made
+(its carry, its per-iteration outputs: `lax.map` has no carry), so that,
 as in the loop, nothing of it runs before that iteration ends: XLA would
 otherwise start a microbatch's forward pass before the last one's
 backward pass, and merge the iterations' common work (the parameters'
@@ -53,6 +54,11 @@ MAX_ITERATIONS = 8
 _SCOPE = "jlms/unrolled_iteration"
 
 
+class CannotUnroll(Exception):
+  """A loop whose iterations nothing orders (each makes nothing the next
+  reads or is tied to)."""
+
+
 def accumulation_loops(program: Program,
                        max_iterations: int = MAX_ITERATIONS
                        ) -> tuple[int, ...]:
@@ -64,7 +70,7 @@ def accumulation_loops(program: Program,
     if equation.primitive.name != "scan":
       continue
     try:
-      if _compat.scan_layout(equation.eqn).length > max_iterations:
+      if not 1 <= _compat.scan_layout(equation.eqn).length <= max_iterations:
         continue
       body, _ = scan_body(equation.eqn)
     except Exception as error:  # noqa: BLE001 -- this loop only
@@ -93,17 +99,17 @@ class _Builder:
     self.equations.extend(retraced.equations)
     return list(retraced.outputs)
 
-  def after(self, groups, made: list[Atom], anchor) -> tuple:
+  def after(self, groups, made: list[int], anchor) -> tuple:
     """`groups` (lists of atoms) as copies that an optimization barrier
-    makes only once `made` is: what reads them waits for it."""
+    makes only once `made` (ids) are: what reads them waits for them."""
     tied = [a for a in dict.fromkeys(a for g in groups for a in g)
             if isinstance(a, int)
             and _compat.passes_a_barrier(self.avals[a])]
-    if not tied or not any(isinstance(a, int) for a in made):
-      return groups
-    waits = [a for a in made if isinstance(a, int) and a not in tied
+    waits = [a for a in dict.fromkeys(made) if a not in tied
              and _compat.passes_a_barrier(self.avals[a])]
     inputs = tied + waits
+    if not tied or not any(a in inputs for a in made):
+      raise CannotUnroll("nothing the iteration before makes can order it")
     outputs = tuple(self.new_id(self.avals[a]) for a in inputs)
     self.equations.append(Equation(
         _compat.barrier_equation(
@@ -146,16 +152,19 @@ def _unrolled_scan(builder: _Builder, equation: Equation) -> list[Atom]:
   xs = list(equation.inputs[nc + nk:])
   steps = range(layout.length)
   per_iteration: list[list[Atom]] = []
+  made: list[int] = []  # by the iteration before, that the next waits for
   for number, t in enumerate(reversed(steps) if layout.reverse else steps):
+    if number:
+      consts, carry, xs = builder.after((consts, carry, xs), made,
+                                        equation.eqn)
     sliced = builder.traced(
         lambda *stacked, t=t: [x[t] for x in stacked], xs,
         equation.name_stack, equation.eqn) if xs else []
-    if number:
-      consts, carry, sliced = builder.after(
-          (consts, carry, sliced), carry, equation.eqn)
+    first_new = len(builder.avals)
     outs = builder.inlined(
         body, [Const(c) for c in body_consts] + consts + carry + sliced,
         equation.name_stack)
+    made = [a for a in outs if isinstance(a, int) and a >= first_new]
     carry, ys = outs[:nk], outs[nk:]
     per_iteration.append(ys)
   if layout.reverse:
@@ -169,7 +178,10 @@ def _unrolled_scan(builder: _Builder, equation: Equation) -> list[Atom]:
 
 
 def unrolled(program: Program, loops: tuple[int, ...]) -> Program:
-  """`program` with each scan at `loops` unrolled (module docstring)."""
+  """`program` with each scan at `loops` unrolled (module docstring).
+  Raises `CannotUnroll` for a loop of more than one iteration that makes
+  nothing in an iteration (a carry passed through, no outputs): its
+  iterations could not be ordered."""
   if not loops:
     return program
   builder = _Builder(program)
