@@ -20,6 +20,12 @@ from jlms_tests.test_body_remat import (LAYERS, MICROBATCHES,
                                         _scanned_loss)
 
 
+def _h100_peak(program, args) -> int:
+  """XLA's peak for an H100 of `program` as it is, on `args`."""
+  return jlms.xla_memory(_jitted(program), *jax.tree.leaves(args),
+                         target="h100").peak_bytes
+
+
 def _scans(program):
   return sum(e.primitive.name == "scan" for e in program.equations)
 
@@ -72,11 +78,8 @@ def test_xla_runs_one_microbatch_at_a_time():
   step, args = _accumulating_step(_python_loop_loss)
   program = flatten(jax.make_jaxpr(step)(*args))
   unrolled_program = unrolled(program, accumulation_loops(program))
-  looped, unrolled_peak = (
-      jlms.xla_memory(_jitted(p), *jax.tree.leaves(args),
-                      target="h100").peak_bytes
-      for p in (program, unrolled_program))
-  assert unrolled_peak <= 1.1 * looped
+  assert _h100_peak(unrolled_program, args) <= 1.1 * _h100_peak(program,
+                                                                 args)
 
 
 def test_long_loops_and_layer_scans_are_not_unrolled():
@@ -128,11 +131,8 @@ def test_a_loop_without_a_carry_is_ordered_by_its_outputs():
              for e in unrolled_program.equations) == MICROBATCHES - 1
   assert max_relative_error(_run(unrolled_program, args),
                             _run(program, args)) <= F32_TOLERANCE
-  looped, unrolled_peak = (
-      jlms.xla_memory(_jitted(p), *jax.tree.leaves(args),
-                      target="h100").peak_bytes
-      for p in (program, unrolled_program))
-  assert unrolled_peak <= 1.1 * looped
+  assert _h100_peak(unrolled_program, args) <= 1.1 * _h100_peak(program,
+                                                                 args)
 
 
 def test_each_microbatch_of_scanned_layers_is_a_forward_pass():
