@@ -5,8 +5,13 @@
 loop, `jax.lax.scan`, linen's `nn.scan`), the precision (float32, bfloat16,
 mixed: float32 parameters with bfloat16 compute), what the layers hold
 (BatchNorm, dropout, residuals), control flow around them (`cond`,
-`while_loop`, a nested `jax.jit`), the optimizer, and how the step is
-jitted (a donated state, a static argument by position or by name).
+`while_loop`, a nested `jax.jit`), what users add around a model of
+their own (their own remat of each layer with a checkpoint policy,
+gradient accumulation over microbatches by `jax.lax.scan` or a Python
+loop), the optimizer (SGD, Adam, AdamW after clipping by global norm, or
+Adam applied every second step by `optax.MultiSteps`),
+and how the step is jitted (a donated state, a static argument by
+position or by name).
 `build(spec)` turns one into a `DrawnStep`. The layers are composed here
 from Flax's; the attention family's attention and every loss's
 cross-entropy are the model registry's (`benchmarks.models`).
@@ -52,7 +57,14 @@ FAMILIES = ("mlp", "conv", "attention", "nnx")
 LAYOUTS = ("loop", "lax_scan", "nn_scan")
 PRECISIONS = ("float32", "bfloat16", "mixed")
 STATICS = ("none", "argnum", "argname")
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw_clipped", "adam_every_2")
+#: The user's own remat of each layer: none, or `nn.remat` with one of
+#: JAX's checkpoint policies (`jax.checkpoint_policies`).
+REMATS = ("none", "nothing_saveable", "dots_saveable")
+#: Gradient accumulation: none, or the batch split into `_MICROBATCHES`
+#: whose gradients are summed by a `jax.lax.scan` or a Python loop.
+ACCUMULATIONS = ("none", "scan", "loop")
+_MICROBATCHES = 2
 
 _CLASSES = 4  # labels of the convolution family
 _VOCAB = 16  # tokens of the attention family
@@ -83,15 +95,21 @@ class StepSpec:
   optimizer: str = "sgd"
   donate: bool = False
   static: str = "none"
+  remat: str = "none"
+  accumulate: str = "none"
 
   def __str__(self) -> str:
     flags = [name for name in ("batchnorm", "dropout", "residual", "cond",
                                "while_loop", "nested_jit", "donate")
              if getattr(self, name)]
     static = [] if self.static == "none" else [f"static={self.static}"]
+    remat = [] if self.remat == "none" else [f"remat={self.remat}"]
+    accumulate = ([] if self.accumulate == "none"
+                  else [f"accumulate={self.accumulate}"])
     return (f"{self.family}/{self.layout} depth {self.depth} width "
             f"{self.width} batch {self.batch} {self.precision} "
-            f"{self.optimizer} " + " ".join(flags + static)).strip()
+            f"{self.optimizer} "
+            + " ".join(flags + static + remat + accumulate)).strip()
 
 
 @st.composite
@@ -109,12 +127,20 @@ def step_specs(draw, families=FAMILIES, max_depth=3) -> StepSpec:
     donate, static = False, "none"
   else:
     donate, static = draw(st.booleans()), draw(st.sampled_from(STATICS))
+  # The NNX family's step is nnx's own (`nnx.value_and_grad`, the
+  # optimizer's update in place): remat and accumulation are linen's here.
+  linen = family != "nnx"
+  remat = draw(st.sampled_from(REMATS)) if linen else "none"
+  accumulate = draw(st.sampled_from(ACCUMULATIONS)) if linen else "none"
+  # A microbatch of one sample has no spread for BatchNorm to divide by.
+  batches = (4,) if accumulate != "none" else (2, 4)
   return StepSpec(
       family=family, layout=layout, depth=draw(st.integers(1, max_depth)),
-      width=draw(st.sampled_from((8, 16))), batch=draw(st.sampled_from((2, 4))),
+      width=draw(st.sampled_from((8, 16))),
+      batch=draw(st.sampled_from(batches)),
       precision=draw(st.sampled_from(PRECISIONS)), batchnorm=batchnorm,
       optimizer=draw(st.sampled_from(OPTIMIZERS)), donate=donate,
-      static=static, **flags)
+      static=static, remat=remat, accumulate=accumulate, **flags)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -282,18 +308,37 @@ class _Head(nn.Module):
     return nn.Dense(spec.width, **kinds)(h)
 
 
+def _block_class(spec: StepSpec) -> type[nn.Module]:
+  """`_Block`, or `_Block` under the user's own `nn.remat` with the drawn
+  checkpoint policy (the parameters keep their names either way)."""
+  if spec.remat == "none":
+    return _Block
+  policy = getattr(jax.checkpoint_policies, spec.remat)
+  return nn.remat(_Block, policy=policy)
+
+
 def _scanned_blocks(spec: StepSpec) -> nn.Module:
-  return nn.scan(_Block, variable_axes={"params": 0, "batch_stats": 0},
+  return nn.scan(_block_class(spec),
+                 variable_axes={"params": 0, "batch_stats": 0},
                  split_rngs={"params": True, "dropout": True},
                  length=spec.depth)(spec)
 
 
 def _optimizer(spec: StepSpec) -> optax.GradientTransformation:
+  # A large eps: Adam divides by sqrt(v) + eps, which turns a gradient
+  # near zero into an update of about the learning rate whatever its
+  # rounding (and bfloat16 rounds a small gradient by tens of percent).
   if spec.optimizer == "adam":
-    # A large eps: Adam divides by sqrt(v) + eps, which turns a gradient
-    # near zero into an update of about the learning rate whatever its
-    # rounding (and bfloat16 rounds a small gradient by tens of percent).
     return optax.adam(1e-2, eps=1e-1)
+  if spec.optimizer == "adamw_clipped":
+    # Clipping by the global norm reads every gradient before any update:
+    # what most language-model recipes do.
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(1e-2, eps=1e-1, weight_decay=1e-2))
+  if spec.optimizer == "adam_every_2":
+    # Accumulation as optax does it: the gradients summed in the state and
+    # Adam applied every second step, chosen by a `lax.cond` on a counter.
+    return optax.MultiSteps(optax.adam(1e-2, eps=1e-1), every_k_schedule=2)
   return optax.sgd(1e-2, momentum=0.9)
 
 
@@ -364,7 +409,7 @@ def _linen_forward(spec: StepSpec, params, batch_stats, inputs, key):
   """Logits and the new BatchNorm statistics of the blocks."""
   h = _Stem(spec).apply({"params": params["stem"]}, inputs)
   rngs = {"dropout": key}
-  block = _Block(spec)
+  block = _block_class(spec)(spec)
 
   def apply_block(block_params, block_stats, h, key):
     variables = {"params": block_params}
@@ -428,6 +473,45 @@ def _linen_state(spec: StepSpec, batch) -> dict:
   return jax.eval_shape(init)
 
 
+def _gradients(spec: StepSpec, params, batch_stats, batch, key):
+  """(loss, new BatchNorm statistics, gradients) of `batch`: at once, or as
+  users accumulate them when a batch does not fit, microbatch by
+  microbatch, the statistics carried from one to the next and the sums
+  divided by the number of microbatches."""
+
+  def of_one(batch_stats, batch, key):
+    def loss_fn(params):
+      logits, stats = _linen_forward(spec, params, batch_stats,
+                                     _model_inputs(spec, batch), key)
+      return _loss(spec, logits, batch), stats
+    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return loss, stats, grads
+
+  if spec.accumulate == "none":
+    return of_one(batch_stats, batch, key)
+  microbatches = jax.tree.map(
+      lambda x: x.reshape(_MICROBATCHES, x.shape[0] // _MICROBATCHES,
+                          *x.shape[1:]), batch)
+  keys = jax.random.split(key, _MICROBATCHES)
+
+  def accumulate(carry, microbatch_and_key):
+    loss_sum, stats, grad_sum = carry
+    loss, stats, grads = of_one(stats, *microbatch_and_key)
+    return (loss_sum + loss, stats,
+            jax.tree.map(jnp.add, grad_sum, grads)), None
+
+  carry = (jnp.float32(0), batch_stats, jax.tree.map(jnp.zeros_like, params))
+  if spec.accumulate == "scan":
+    carry, _ = jax.lax.scan(accumulate, carry, (microbatches, keys))
+  else:
+    for i in range(_MICROBATCHES):
+      carry, _ = accumulate(
+          carry, (jax.tree.map(lambda x: x[i], microbatches), keys[i]))
+  loss_sum, stats, grad_sum = carry
+  return (loss_sum / _MICROBATCHES, stats,
+          jax.tree.map(lambda g: g / _MICROBATCHES, grad_sum))
+
+
 def _build_linen(spec: StepSpec) -> DrawnStep:
   tx = _optimizer(spec)
 
@@ -439,14 +523,8 @@ def _build_linen(spec: StepSpec) -> DrawnStep:
     else:
       batch, scale = batch_and_scale, 1.0
     key, dropout_key = jax.random.split(state["key"])
-
-    def loss_fn(params):
-      logits, stats = _linen_forward(spec, params, state["batch_stats"],
-                                     _model_inputs(spec, batch), dropout_key)
-      return _loss(spec, logits, batch), stats
-
-    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state["params"])
+    loss, stats, grads = _gradients(spec, state["params"],
+                                    state["batch_stats"], batch, dropout_key)
     updates, opt = tx.update(grads, state["opt"], state["params"])
     updates = jax.tree.map(lambda u: u * scale, updates)
     params = optax.apply_updates(state["params"], updates)
