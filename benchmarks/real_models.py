@@ -8,6 +8,10 @@ AdamW (optax) on a synthetic batch:
 - "llama", "gpt2": Hugging Face `transformers` 4.x `FlaxLlamaForCausalLM`
   and `FlaxGPT2LMHeadModel` (with dropout), from `LlamaConfig` and
   `GPT2Config`; Python loops over layers.
+- "bart": `transformers`' `FlaxBartForConditionalGeneration` from a
+  `BartConfig` (with dropout): an encoder and a decoder that attends to
+  it, each a Python loop of layers, trained on the next token of a
+  target sequence.
 - "resnet50": `transformers`' `FlaxResNetForImageClassification` from a
   `ResNetConfig` (bottleneck blocks, BatchNorm statistics updated).
 - "nnx_transformer": a decoder written with Flax NNX layers
@@ -52,9 +56,9 @@ What holds for each `RealStep`:
 (decoder layer, ResNet bottleneck) under Flax's `nn.remat`, nothing saved,
 as a user would write per-block rematerialization: the peer jlms is held
 to. The Python-loop libraries have no such option (the gemma, Llama,
-GPT-2 and ResNet Flax ports), so their layer class is replaced by a
+GPT-2, BART and ResNet Flax ports), so their layer class is replaced by a
 subclass that runs the library's own `__call__` under `nn.remat`, while
-the step traces (`_blocks_rematerialized`; gemma's while its
+the step traces (BART's encoder and decoder layers both) (`_blocks_rematerialized`; gemma's while its
 `Transformer` sets up); the NNX decoder's scanned
 block runs under `nnx.remat`, the Equinox decoder's under
 `jax.checkpoint`.
@@ -431,6 +435,60 @@ def gpt2(size: str = "tiny", remat: bool = False) -> RealStep:
                      else None))
 
 
+def bart(size: str = "tiny", remat: bool = False) -> RealStep:
+    """`FlaxBartForConditionalGeneration` from a `BartConfig`, float32,
+    dropout on (0.1, drawn from a key in the state): the encoder reads a
+    source sequence, the decoder a target one and the encoder's output,
+    and the loss is the decoder's next-token cross-entropy. Tiny is 2
+    encoder and 2 decoder layers of width 64, 4 heads, FFN 128, vocabulary
+    4096 (the tied embedding 1 MiB), batch 2 x sequence 256 each way;
+    realistic is BART-large (12 + 12 layers, width 1024, 16 heads, FFN
+    4096, vocabulary 50265) at batch 8 x sequence 1024 each way."""
+    _check_size(size)
+    from transformers import BartConfig, FlaxBartForConditionalGeneration
+    from transformers.models.bart import modeling_flax_bart
+
+    if size == "tiny":
+        config = BartConfig(vocab_size=4096, d_model=64, encoder_layers=2,
+                            decoder_layers=2, encoder_attention_heads=4,
+                            decoder_attention_heads=4, encoder_ffn_dim=128,
+                            decoder_ffn_dim=128, max_position_embeddings=256)
+        batch, seq = 2, 256
+    else:
+        config = BartConfig(vocab_size=50265, d_model=1024, encoder_layers=12,
+                            decoder_layers=12, encoder_attention_heads=16,
+                            decoder_attention_heads=16, encoder_ffn_dim=4096,
+                            decoder_ffn_dim=4096, max_position_embeddings=1024)
+        batch, seq = 8, 1024
+    model = FlaxBartForConditionalGeneration(config, dtype=jnp.float32,
+                                             _do_init=False)
+    optimizer = _adamw()
+
+    def loss_fn(params, source, target, key):
+        logits = model(input_ids=source, decoder_input_ids=target,
+                       params=params, dropout_rng=key, train=True).logits
+        return _next_token_loss(logits, target)
+
+    def step(state, source, target):
+        params, opt_state, key = state
+        key, dropout_key = jax.random.split(key)
+        loss, grads = jax.value_and_grad(loss_fn)(params, source, target,
+                                                  dropout_key)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, key), loss
+
+    def make_args():
+        params = model.init_weights(jax.random.key(_SEED), (1, 8))
+        state = (params, optimizer.init(params), jax.random.key(2))
+        return (state, _tokens(batch, seq, config.vocab_size),
+                _tokens(batch, seq, config.vocab_size, key=3))
+
+    if remat:
+        for layer in ("FlaxBartEncoderLayer", "FlaxBartDecoderLayer"):
+            step = _blocks_rematerialized(step, modeling_flax_bart, layer)
+    return _pure(_remat_name(f"bart-{size}", remat), step, make_args)
+
+
 def resnet50(size: str = "tiny", remat: bool = False) -> RealStep:
     """`FlaxResNetForImageClassification` from a `ResNetConfig` (bottleneck
     blocks, BatchNorm statistics updated each step), float32: tiny is one
@@ -662,6 +720,7 @@ def equinox_transformer(size: str = "tiny", remat: bool = False
 REAL_MODELS: dict[str, Callable[[str], RealStep]] = {
     "llama": llama,
     "gpt2": gpt2,
+    "bart": bart,
     "resnet50": resnet50,
     "nnx_transformer": nnx_transformer,
     "equinox_transformer": equinox_transformer,
@@ -673,6 +732,7 @@ LIBRARY: dict[str, str] = {
     "gemma2": "gemma",
     "llama": "transformers",
     "gpt2": "transformers",
+    "bart": "transformers",
     "resnet50": "transformers",
     "nnx_transformer": "flax",
     "equinox_transformer": "equinox",

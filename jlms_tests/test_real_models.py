@@ -1,5 +1,5 @@
 """Models from the libraries users train with (DeepMind's Gemma, Hugging Face
-Llama, GPT-2 and ResNet, a Flax NNX and an Equinox decoder), unmodified,
+Llama, GPT-2, BART and ResNet, a Flax NNX and an Equinox decoder), unmodified,
 under `jlms.offload`: over three steps on a CPU their outputs are jax.jit's
 (`nnx.jit`'s) at the least memory, with the state on host and, for the
 scanned ones, on the device with the update inside the backward loop; at a
@@ -51,7 +51,7 @@ LOOP_WAYS = ("loop-invariant inputs inside", "of their residuals",
 #: scanned ones' tiny vocabularies are too small beside their hidden
 #: states for a split to be worth it; the ResNet's batch norm reduces
 #: over the batch).
-SPLIT = ("gemma2", "llama", "gpt2")
+SPLIT = ("gemma2", "llama", "gpt2", "bart")
 #: The least-memory plans split a run whose largest value takes this.
 SPLIT_BYTES = 1 << 20
 #: Heavier models (most of their time is the library's import and eager
