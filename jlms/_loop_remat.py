@@ -67,12 +67,32 @@ def loop_rematerializations(program: Program, liveness: Liveness,
     key = (residual.producer, residual.readers[0])
     pairs.setdefault(key, []).append(residual.value)
   found = []
-  for (f, b), values in sorted(pairs.items()):
+  for (f, b), values in sorted(_disjoint(pairs, liveness).items()):
     if target is not None:
       values = sorted(values, key=lambda v: _remake_seconds(
           program.equations[f], v, target) / max(liveness.nbytes[v], 1))
     found.append(LoopRemat(f, b, tuple(values)))
   return tuple(found)
+
+
+def _disjoint(pairs: dict, liveness: Liveness) -> dict:
+  """`pairs` with no scan in two of them, the larger residuals first. A
+  forward scan's stacks may have two scans reading them slice by slice:
+  its backward scan (activations) and the next forward scan of the same
+  layers (BatchNorm statistics stacked by layer, carried from one
+  microbatch of a Python accumulation loop to the next). Each pair
+  rewrites both its scans, so a scan in two pairs would be rewritten
+  twice, the second rewrite undoing the first."""
+  def residual_bytes(item):
+    return sum(liveness.nbytes[v] for v in item[1])
+
+  kept, used = {}, set()
+  for (f, b), values in sorted(pairs.items(), key=residual_bytes,
+                               reverse=True):
+    if f not in used and b not in used:
+      kept[f, b] = values
+      used.update((f, b))
+  return kept
 
 
 def cheapest(choices: tuple[LoopRemat, ...], fraction: float

@@ -10,6 +10,9 @@ import pytest
 
 import jlms
 from jlms import _search, _thresholds
+from jlms._liveness import analyse
+from jlms._loop_remat import loop_rematerializations
+from jlms._program import flatten
 from jlms._units import format_bytes
 from jlms_tests import _drawn_checks as checks
 from jlms_tests._step_strategies import StepSpec, build
@@ -213,3 +216,24 @@ def test_an_attention_step_as_exact_as_jax_jit_over_three_steps():
     assert plan.offloaded
     checks.assert_outputs_agree(drawn, checks.run_on_cpu(drawn, step),
                                 checks.jit_outputs(drawn), plan)
+
+
+def test_statistics_carried_between_microbatches_of_scanned_layers():
+  # Shrunk from a drawn step: scanned layers with BatchNorm, gradients
+  # accumulated over two microbatches by a Python loop. The first
+  # microbatch's forward scan stacks the BatchNorm statistics, which the
+  # second's forward scan reads slice by slice, and its residuals, which
+  # its backward scan reads: two loop-remat pairs shared that scan, the
+  # second rewrite undid the first, and the least-memory plan failed
+  # (KeyError in the rewrite; jax.jit's program ran instead).
+  drawn = build(StepSpec(layout="lax_scan", depth=2, batch=4,
+                         batchnorm=True, accumulate="loop"))
+  args, kwargs = drawn.abstract_args()
+  program = flatten(jax.make_jaxpr(drawn.fn)(*args, **kwargs))
+  pairs = loop_rematerializations(program, analyse(program))
+  scans = [scan for pair in pairs for scan in (pair.forward, pair.backward)]
+  assert len(pairs) == 2 and len(set(scans)) == len(scans)
+  stepper = drawn.offload(budget="min", strict=True)
+  plan = stepper.plan(*args, **kwargs)
+  checks.assert_outputs_agree(drawn, checks.run_on_cpu(drawn, stepper),
+                              checks.jit_outputs(drawn), plan)
