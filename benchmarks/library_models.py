@@ -38,7 +38,7 @@ from benchmarks.frontier import load_yardstick
 
 TARGET = "h100"
 GIB = 1 << 30
-DEFAULT_MODELS = ("llama", "gpt2", "resnet50", "nnx_transformer",
+DEFAULT_MODELS = ("llama", "gpt2", "bart", "resnet50", "nnx_transformer",
                   "equinox_transformer", "gemma2")
 DEFAULT_CONFIGS = ("jit", "plain")
 
