@@ -58,8 +58,9 @@ as a user would write per-block rematerialization: the peer jlms is held
 to. The Python-loop libraries have no such option (the gemma, Llama,
 GPT-2, BART and ResNet Flax ports), so their layer class is replaced by a
 subclass that runs the library's own `__call__` under `nn.remat`, while
-the step traces (BART's encoder and decoder layers both) (`_blocks_rematerialized`; gemma's while its
-`Transformer` sets up); the NNX decoder's scanned
+the step traces (`_blocks_rematerialized`; BART's encoder and decoder
+layers both; gemma's while its `Transformer` sets up); the NNX decoder's
+scanned
 block runs under `nnx.remat`, the Equinox decoder's under
 `jax.checkpoint`.
 
