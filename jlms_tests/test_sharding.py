@@ -40,6 +40,15 @@ pytestmark = pytest.mark.xdist_group("sharding")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1 << 30
 MIB = 1 << 20
+#: The tiny Llama trains by AdamW (benchmarks.real_models, learning rate
+#: 1e-4), which moves a parameter by about the learning rate whatever its
+#: gradient, so rounding in a gradient element near zero moves it by up to
+#: that much. On eight CPU devices two legal compiles of jax.jit's own three
+#: steps (XLA CPU's LLVM at levels 3 and 0) differ by 8.6e-6 of the largest
+#: leaf, and jlms's plan by 6.9e-6 here and 2.4e-5 on the CI machine. One
+#: wrong gradient or copy moves its parameters by a whole step, 1.4e-3 of
+#: the largest (0.07).
+ADAMW_SHARDED_TOLERANCE = 1e-4
 
 
 def _worker(args, devices: int):
@@ -128,7 +137,7 @@ def test_a_tiny_llama_with_state_on_host_equals_jax_jit_on_eight_devices():
   result = json.loads(_finish(_worker(["llama"], devices=8)))
   assert result["devices"] == 8
   assert result["state_leaves"] > 0 and result["offloaded"] > 0
-  assert result["error"] <= F32_TOLERANCE
+  assert result["error"] <= ADAMW_SHARDED_TOLERANCE
   assert result["output_devices"] == 8
 
 
