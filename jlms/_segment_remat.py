@@ -59,6 +59,11 @@ _CUT_SLACK = 1.5
 #: carry almost nothing: a key, the labels; its loss may carry 40 times
 #: a layer's residual, GPT-2's logits).
 _MIDDLE_SHARE = 1 / 16
+#: A stretch of the pass between two cuts longer than this many times the
+#: cuts' median spacing is cut again by its own least (`_stretches`).
+_LONG_STRETCH = 4
+#: Rounds of cutting long stretches, at most.
+_STRETCH_ROUNDS = 8
 #: The scope of the barrier that ties a remaking to its place.
 REMAKING_SCOPE = "jlms/remat_segment"
 
@@ -133,20 +138,79 @@ def forward_cuts(program: Program, liveness: Liveness) -> tuple[int, ...]:
 
 def _pass_cuts(program: Program, liveness: Liveness, start: int,
                end: int) -> list[int]:
-  """The cuts of the forward pass of equations [start, end)."""
+  """The cuts of the forward pass of equations [start, end): those within
+  `_CUT_SLACK` of the least the pass carries, then those of each long
+  stretch between two of them within `_CUT_SLACK` of the least that
+  stretch carries (`_stretches`)."""
   carried = _carried_bytes(program, liveness, start, end)
   middle = carried[carried >= _MIDDLE_SHARE * np.median(carried)]
   if not middle.size:
     return []
-  least = middle.min()
+  everywhere = np.ones(len(carried), dtype=bool)
+  cuts = _cuts_under(liveness, carried, start, end, middle.min(), everywhere)
+  # Until no long stretch is left: a stretch's least may lie at its edge
+  # (an encoder's last norm, the decoder's embedding), whose cut leaves the
+  # rest of the stretch to cut by its own least.
+  spacing = _spacing(cuts)
+  for _ in range(_STRETCH_ROUNDS):
+    found = []
+    for low, high in _stretches(cuts, spacing):
+      inside = np.zeros(len(carried), dtype=bool)
+      inside[low - start:high - start] = True
+      found += _cuts_under(liveness, carried, start, end,
+                           carried[inside].min(), inside, stretch=True)
+    if not found:
+      break
+    cuts = sorted(cuts + found)
+  return cuts
+
+
+def _spacing(cuts: list[int]) -> int | None:
+  """The median spacing of `cuts`; None under three cuts."""
+  return int(np.median(np.diff(cuts))) if len(cuts) >= 3 else None
+
+
+def _stretches(cuts: list[int],
+               spacing: int | None) -> list[tuple[int, int]]:
+  """[low, high) of each stretch between two consecutive `cuts` longer than
+  `_LONG_STRETCH` times `spacing` (the first cuts' median spacing), less
+  that spacing at each end: a part of the pass that carries more than the
+  rest all along, as a decoder carries its encoder's output beside its
+  own residual stream into every layer's cross-attention (BART, T5,
+  Whisper), so that the pass's least cuts only the encoder."""
+  if spacing is None:
+    return []
+  return [(low + spacing, high - spacing)
+          for low, high in zip(cuts, cuts[1:])
+          if high - low > _LONG_STRETCH * spacing]
+
+
+def _carried_through(liveness, first, last, start, end) -> frozenset:
+  """The values of the pass [start, end) made before place `first` that a
+  forward equation after place `last` reads: carried across every place
+  between (a decoder's encoder output)."""
+  return frozenset(
+      value for value, size in enumerate(liveness.nbytes)
+      if size and start <= liveness.producer[value] < first
+      and _last_forward_read(liveness, value, end) > last)
+
+
+def _cuts_under(liveness, carried, start, end, least, where,
+                stretch=False) -> list[int]:
+  """The places of `where` that begin a run of places carrying at most
+  `_CUT_SLACK * least`, one per largest value carried; in a `stretch`,
+  one per largest value of those not carried across all of the runs."""
   # A run of places that each carry little is one cut (a residual add,
   # then the elementwise steps that read it alone: dropout, a norm's
   # statistics), and so are runs that carry the same largest value (a
   # norm's centred input, carried beside its input, parts two runs).
-  at_most = carried <= _CUT_SLACK * least
+  at_most = (carried <= _CUT_SLACK * least) & where
   starts = start + np.flatnonzero(
       at_most & ~np.concatenate([[False], at_most[:-1]]))
-  largest = _largest_carried(liveness, [int(i) for i in starts], start, end)
+  through = (_carried_through(liveness, starts[0], starts[-1], start, end)
+             if stretch and len(starts) > 1 else frozenset())
+  largest = _largest_carried(liveness, [int(i) for i in starts], start, end,
+                             through)
   cuts, previous = [], object()
   for place, value in zip(starts, largest):
     if value != previous:
@@ -155,15 +219,17 @@ def _pass_cuts(program: Program, liveness: Liveness, start: int,
   return cuts
 
 
-def _largest_carried(liveness, places, start, end) -> list:
+def _largest_carried(liveness, places, start, end,
+                     skipped=frozenset()) -> list:
   """For each of `places` (indices of the forward pass [start, end),
-  increasing), the largest value made at or before it in that pass that a
-  forward equation after it reads."""
+  increasing), the largest value but `skipped` made at or before it in
+  that pass that a forward equation after it reads."""
   best = [None] * len(places)
   best_size = [0] * len(places)
   for value, size in enumerate(liveness.nbytes):
     made_by = liveness.producer[value]
-    if size == 0 or made_by < start or made_by >= end:
+    if (size == 0 or made_by < start or made_by >= end
+        or value in skipped):
       continue
     last = _last_forward_read(liveness, value, end)
     k = bisect.bisect_left(places, made_by)
