@@ -91,7 +91,9 @@ def test_an_fsdp_step_is_priced_per_device_with_its_exchanges():
   abstract = jax.eval_shape(case.make_args)
   mesh = mesh_of(jlms.target_devices("h100", "1x1x8"), AxisType.Auto)
   sharded_args = shard_step_args(abstract, mesh, batch_args=1, fsdp=True)
-  options = dict(donate_argnums=(0, 1), budget="min", target="h100")
+  # A budget the step meets by planning, not by the least-memory search
+  # (12 minutes of H100 compiles on two cores).
+  options = dict(donate_argnums=(0, 1), budget="50%", target="h100")
   whole_plan = jlms.offload(case.step, **options).plan(*abstract)
   step = jlms.offload(case.step, **options)
   plan = step.plan(*sharded_args)
