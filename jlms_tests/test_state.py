@@ -451,7 +451,9 @@ def _update_loops_overlapping_copies(hlo_text: str) -> tuple[int, int]:
 def test_xla_counts_the_state_in_host_memory():
   case = _small_gpt(layers=2)
   abstract = jax.eval_shape(case.make_args)
-  on_host = jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
+  # Half of jax.jit's peak, not the least: the state goes to host either
+  # way, and the least-memory search compiles many more programs.
+  on_host = jlms.offload(case.step, donate_argnums=(0, 1), budget="50%",
                          target="h100", state_on_host=True,
                          min_bytes=_LEAF)
   plan = on_host.plan(*abstract)
@@ -488,7 +490,7 @@ def test_fsdp_state_shards_go_to_each_devices_host():
   args = sharded.shard_step_args(
       abstract, sharded.mesh_of(devices, AxisType.Auto),
       batch_args=len(abstract) - 2, fsdp=True)
-  step = jlms.offload(case.step, donate_argnums=(0, 1), budget="min",
+  step = jlms.offload(case.step, donate_argnums=(0, 1), budget="50%",
                       target="h100", state_on_host=True, min_bytes=_LEAF)
   plan = step.plan(*args)
   memory = jlms.xla_memory(step, *args, target="h100")
