@@ -39,12 +39,17 @@ def _step():
     loss, grads = jax.value_and_grad(loss_fn)(params, x)
     return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
 
-  keys = jax.random.split(jax.random.key(0), 2 * LAYERS + 1)
+  params, x = _blocks_params(jax.random.key(0), LAYERS)
+  return step, (params, x)
+
+
+def _blocks_params(key, count):
+  """`count` blocks' weights and an input batch."""
+  keys = jax.random.split(key, 2 * count + 1)
   params = [(jax.random.normal(keys[2 * i], (WIDTH, HIDDEN)) / WIDTH**0.5,
              jax.random.normal(keys[2 * i + 1], (HIDDEN, WIDTH)) / HIDDEN**0.5)
-            for i in range(LAYERS)]
-  x = jax.random.normal(keys[-1], (BATCH, SEQ, WIDTH))
-  return step, (params, x)
+            for i in range(count)]
+  return params, jax.random.normal(keys[-1], (BATCH, SEQ, WIDTH))
 
 
 def _program():
@@ -87,13 +92,8 @@ def _encoder_decoder_program():
   def step(params, x):
     return jax.value_and_grad(loss_fn)(params, x)
 
-  keys = jax.random.split(jax.random.key(1), 4 * LAYERS + 1)
-  params = [[(jax.random.normal(keys[2 * i], (WIDTH, HIDDEN)) / WIDTH**0.5,
-              jax.random.normal(keys[2 * i + 1], (HIDDEN, WIDTH))
-              / HIDDEN**0.5)
-             for i in range(half * LAYERS, (half + 1) * LAYERS)]
-            for half in range(2)]
-  x = jax.random.normal(keys[-1], (BATCH, SEQ, WIDTH))
+  blocks, x = _blocks_params(jax.random.key(1), 2 * LAYERS)
+  params = [blocks[:LAYERS], blocks[LAYERS:]]
   program = flatten(jax.make_jaxpr(step)(params, x))
   return program, analyse(program), (params, x)
 
