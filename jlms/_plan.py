@@ -307,7 +307,8 @@ class Plan:
           f"jlms: {self.state_leaves} state leaves "
           f"({format_bytes(self.state_host_bytes)}) live in pinned host "
           "memory between steps: read slice by slice where the scans read "
-          "them, updated one slice at a time, written back to host")
+          "them, updated in loops of slices or fetched whole beside the "
+          "backward pass, written back to host")
     if self.state_updated_in_loops:
       lines.append(
           f"jlms: the updates of {self.state_updated_in_loops} state leaves "

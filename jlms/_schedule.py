@@ -265,7 +265,24 @@ def predict_step_time(program: Program, liveness: Liveness,
       else:
         after[reader] += seconds
     h2d += size * len(residual.readers)
+  # Whole state copies pinned beside the backward pass: issued where they
+  # are, waited for before `wait_before` (`GpuTarget.pinned_copies_hide`).
+  state_outs_after = collections.defaultdict(list)
+  pinned = target.pinned_copies_hide
+  for number, copy in enumerate(state_copies):
+    if not (copy.pinned and pinned):
+      continue
+    key = ("state", number)
+    wait = n if copy.wait_before is None else min(copy.wait_before, n)
+    if copy.to_device:
+      ins_before[copy.index].append((key, copy.to_device))
+      waits[wait].append(key)
+    if copy.to_host:
+      state_outs_after[copy.index].append((key, copy.to_host))
+      done_before[wait].append(key)
   for copy in state_copies:
+    if copy.pinned and pinned:
+      continue
     # Each direction has its engine. What a loop copies beside its own
     # kernels (the update fused into the backward loop,
     # `jlms._update_fusion._beside_kernels`) runs there where the target's
@@ -323,7 +340,8 @@ def predict_step_time(program: Program, liveness: Liveness,
 
   streamed = set(beside) | set(after) | set(first_fetch) | set(last_write)
 
-  if not target.hides_copies and not walk:
+  if not target.hides_copies and not walk and not (
+      pinned and any(c.pinned for c in state_copies)):
     # Compute waits for each copy as it is made: every copy is exposed
     # whole, and nothing is left to wait for. Summed event by event, in
     # the order the walk below meets them, in O(copies) instead of
@@ -350,8 +368,12 @@ def predict_step_time(program: Program, liveness: Liveness,
   ready: dict = {}
   for index in range(n + 1):
     for key, size in ins_before.get(index, ()):
-      start = max(engine["h2d"], t, out_end.get(key[0], 0.0))
+      state = key[0] == "state"
+      start = max(engine["h2d"], t,
+                  0.0 if state else out_end.get(key[0], 0.0))
       engine["h2d"] = ready[key] = start + target.transfer_seconds(size)
+      if state:
+        continue  # counted with the state's copies; waited for at its read
       h2d += size
       if not target.hides_copies:  # compute waits for the whole copy
         exposed += ready[key] - t
@@ -375,6 +397,9 @@ def predict_step_time(program: Program, liveness: Liveness,
       if not target.hides_copies:  # compute waits for the whole copy
         exposed += out_end[number] - t
         t = out_end[number]
+    for key, size in state_outs_after.get(index, ()):
+      start = max(engine["d2h"], t)
+      engine["d2h"] = out_end[key] = start + target.transfer_seconds(size)
   tail = max(0.0, max(engine.values()) - t)
   t += recomputes.get(n, 0.0)
   return StepTime(float(np.sum(kernel_s)), recompute_total,

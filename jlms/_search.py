@@ -52,7 +52,8 @@ from jlms._segment_remat import remaking_barriers
 from jlms._sharding import (abstract_arguments, argument_device_bytes,
                             device_count, link_shardings, unseen_split)
 from jlms._state import (FITTED_COMPILER_OPTIONS, HostState, host_state,
-                         largest_updates_first, state_pairs)
+                         state_pairs)
+from jlms._state_order import hidden_updates_first
 from jlms._tradeoff import Tradeoff, TradeoffPoint
 from jlms._units import format_bytes
 from jlms._update_order import worth_holding_in_place
@@ -675,9 +676,10 @@ def state_levels(request: SearchRequest) -> list:
     # 1000 bytes had no plan at all).
     return [dataclasses.replace(plain, state=everything), fused]
   levels = list(on_device)
-  # The optimizer's moments cross the link once each way: the largest
-  # first, as many as the budget needs (what stays on the device costs
-  # no copy), then all of the state. The moments that one update reads
+  # The optimizer's moments cross the link once each way, in the order
+  # that hides their copies best (`hidden_updates_first`), as many as the
+  # budget needs (what stays on the device costs no copy), then all of
+  # the state. The moments that one update reads
   # (a weight's two) go together: its loop then fetches one while it
   # writes the other back. A loop of one leaf on host reads and writes
   # one buffer, which XLA orders one copy after the other (the 8B Llama's
@@ -690,7 +692,7 @@ def state_levels(request: SearchRequest) -> list:
              for i in moments.inputs}
   total = sum(size_of.values())
   chosen, moved, share = [], 0, _STATE_LEVEL_SHARE
-  for group in largest_updates_first(program, liveness, moments.inputs):
+  for group in hidden_updates_first(program, liveness, moments.inputs):
     chosen.extend((i, output_of[i]) for i in group)
     moved += sum(size_of[i] for i in group)
     if moved >= share * total or len(chosen) == len(size_of):
@@ -1224,7 +1226,8 @@ def _ways(request: SearchRequest):
   return placed_ways(request.plain, request.options.config,
                      request.options.target, request.ways,
                      device_count(request.leaves),
-                     least_memory=request.budget is None)
+                     least_memory=request.budget is None,
+                     on_gpu=request.target is not None)
 
 
 def _fit_way(request: SearchRequest, way, budget: int | None, host_budget):

@@ -43,12 +43,16 @@ from typing import Sequence
 
 import jax
 
+import numpy as np
+
 from jlms import _compat, _rules
+from jlms._cost import GpuTarget, kernel_seconds
 from jlms._liveness import Liveness, aval_nbytes, analyse
 from jlms._loops import (ScanResidual, host_aval, offload_scan_residuals,
                          prefetching_reader, reads_only_as_scanned)
 from jlms._names import profile_scope
 from jlms._program import Equation, Program, donation_pairs
+from jlms._state_pins import pin_copies
 from jlms._update_fusion import CannotFuse, fusable_run, fused_update_loop
 from jlms._update_loops import (CannotLoop, reads_on_device, update_loop,
                                 update_runs)
@@ -124,6 +128,12 @@ class StateCopy:
   # body, where a latency profile lets XLA hide them under the kernels
   # before and after the loop, `GpuTarget.copies_profiled`).
   edge_bytes: int = 0
+  # A whole copy pinned beside the backward pass (`jlms._state_pins`):
+  # issued at `index`, and waited for before equation `wait_before` (its
+  # first read, or the barrier that binds a write-back; None: the step's
+  # end), `GpuTarget.pinned_copies_hide`.
+  pinned: bool = False
+  wait_before: int | None = None
 
 
 #: How many pointwise equations back from an output `state_pairs` looks
@@ -287,41 +297,6 @@ def host_state(program: Program, liveness: Liveness,
                    rest)
 
 
-def updated_together(program: Program, liveness: Liveness,
-                     positions: Sequence[int]) -> list[tuple[int, ...]]:
-  """`positions` (inputs of the program) grouped by the update run that
-  reads them (`jlms._update_loops.update_runs`): an optimizer's two
-  moments of one weight are updated by one run, so one loop fetches and
-  writes back both. Each position is in one group; a position that no
-  run reads (not streamable, or read whole) is a group of its own. In
-  program order of the positions."""
-  values = {program.invars[p]: p for p in positions}
-  group_of = {}
-  for number, run in enumerate(update_runs(program, liveness, set(values))):
-    for index in run:
-      for atom in program.equations[index].inputs:
-        if isinstance(atom, int) and atom in values:
-          group_of.setdefault(values[atom], number)
-  groups: dict = {}
-  for position in positions:
-    groups.setdefault(group_of.get(position, ("alone", position)),
-                      []).append(position)
-  return [tuple(group) for group in groups.values()]
-
-
-def largest_updates_first(program: Program, liveness: Liveness,
-                          positions: Sequence[int]) -> list[tuple[int, ...]]:
-  """`updated_together(positions)`, the group with the largest leaf first
-  (then the most bytes): the order in which a budget search moves the
-  optimizer's moments to host, a weight's moments together."""
-  size = {p: aval_nbytes(program.avals[program.invars[p]])
-          for p in positions}
-  return sorted(updated_together(program, liveness, positions),
-                key=lambda g: (max(size[p] for p in g),
-                               sum(size[p] for p in g), g),
-                reverse=True)
-
-
 def state_scan_reads(program: Program, liveness: Liveness, state: HostState,
                      names: dict[int, str] | None = None
                      ) -> tuple[ScanResidual, ...]:
@@ -345,7 +320,8 @@ def state_scan_reads(program: Program, liveness: Liveness, state: HostState,
 def keep_state_on_host(program: Program, state: HostState,
                        residuals: Sequence[ScanResidual] = (),
                        names: dict[int, str] | None = None,
-                       leading_splits: Sequence = ()
+                       leading_splits: Sequence = (),
+                       target: GpuTarget | None = None
                        ) -> tuple[Program, tuple[StateCopy, ...],
                                   tuple[ScanResidual, ...]]:
   """`program` with its `state` on host (see the module docstring), and
@@ -353,7 +329,10 @@ def keep_state_on_host(program: Program, state: HostState,
   streams them. `leading_splits` (per input position) says how each
   argument's leading axis is cut over devices
   (`jlms._sharding.leading_split`); an update loop takes its rows within
-  each shard (`jlms._update_loops`). Returns
+  each shard (`jlms._update_loops`). With a `target`, an update that only
+  reads its state on host copies it whole, pinned beside the kernels
+  around it by `jlms._state_pins` (by `target`'s kernel model), instead of
+  running as a loop. Returns
   the program, the `StateCopy`s, and the streamed residuals and state
   reads, indexed in the returned program."""
   liveness = analyse(program)
@@ -368,8 +347,10 @@ def keep_state_on_host(program: Program, state: HostState,
   program = dataclasses.replace(program, avals=tuple(avals))
   program, call_reads = _calls_reading_from_host(program, state, names or {})
   streamed += call_reads
-  program, copies, index_of = _stream_state(program, state, names or {},
-                                            leading_splits)
+  kernel_s = None if target is None else kernel_seconds(program, target)
+  program, copies, index_of = _stream_state(
+      program, state, names or {}, leading_splits, kernel_s,
+      None if target is None else target.link_bytes_per_s)
   streamed = tuple(dataclasses.replace(
       r, producer=None if r.producer is None else index_of[r.producer],
       readers=tuple(index_of[i] for i in r.readers)) for r in streamed)
@@ -455,11 +436,15 @@ def _reading_from_host(eqn, positions: set[int], labels: dict[int, str]):
 
 
 def _stream_state(program: Program, state: HostState, names: dict[int, str],
-                  leading_splits: Sequence = ()
+                  leading_splits: Sequence = (),
+                  kernel_s: np.ndarray | None = None,
+                  link_bytes_per_s: float | None = None
                   ) -> tuple[Program, tuple[StateCopy, ...], list[int]]:
   """The update loops, whole copies and output copies of
   `keep_state_on_host`, on a program whose state inputs are host values;
-  with the copies and each old equation's new index."""
+  with the copies and each old equation's new index. With `kernel_s` (the
+  seconds of each equation's kernel), the updates that no loop fuses copy
+  their state whole, pinned (`jlms._state_pins`)."""
   liveness = analyse(program)
   n = len(program)
   avals = list(program.avals)
@@ -522,6 +507,10 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str],
   fused_runs = {origin[run] for fused in fused_at.values()
                 for run in fused.runs}
   runs = [run for run in runs if tuple(run) not in fused_runs]
+  pinned: set[int] = set()  # equations of runs whose copies are pinned
+  if kernel_s is not None:
+    pinned.update(i for run in runs for i in run)
+    runs = []
   # index of a run's last equation -> its loop's equations
   loop_at: dict[int, tuple[Equation, ...]] = {}
   loop_copies: dict[int, tuple[int, int, int]] = {}
@@ -543,10 +532,14 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str],
   # Whole copies for the reads the loops and scans do not serve.
   copy_before: dict[int, list[Equation]] = {}
   renamed: dict[int, dict[int, int]] = {}  # index -> {host id: device id}
+  pinned_fetches = []  # (host value, its readers on the device)
   for value in sorted(on_host):
     readers = [r for r in liveness.uses[value] if r < n and r not in removed
                and reads_on_device(program.equations[r], value)]
     if not readers:
+      continue
+    if pinned and all(r in pinned for r in readers):
+      pinned_fetches.append((value, tuple(readers)))
       continue
     first = readers[0]
     on_device = new_id(_compat.memory_space_aval(avals[value],
@@ -562,11 +555,15 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str],
 
   # Updated state made on the device goes to host as soon as it is made.
   copy_after: dict[int, list[Equation]] = {}
+  pinned_writes = []  # (output position, updated device value)
   for position in state.outputs:
     atom = outvars[position]
     if not isinstance(atom, int) or _compat.is_host_aval(avals[atom]):
       continue
     maker = liveness.producer[atom]
+    if maker in pinned:
+      pinned_writes.append((position, atom))
+      continue
     on_host_id = new_id(_compat.memory_space_aval(avals[atom],
                                                   jax.memory.Space.Host))
     anchor = program.equations[maker] if maker >= 0 else (
@@ -585,10 +582,32 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str],
     else:
       copy_before.setdefault(0, []).append(copy)
     outvars[position] = on_host_id
+  pinned_after: dict = {}
+  if pinned_fetches or pinned_writes:
+    pins = pin_copies(program, liveness, avals, new_id, kernel_s,
+                      link_bytes_per_s, pinned_fetches, pinned_writes, label,
+                      removed)
+    pinned_after = pins.after
+    for index, names in pins.renamed.items():
+      renamed.setdefault(index, {}).update(names)
+    for position, value in pins.outputs.items():
+      outvars[position] = value
 
   equations: list[Equation] = []
   index_of = [-1] * (n + 1)
   copies: list[StateCopy] = []
+
+  waits = []  # (copies' index, what the copy is waited for before)
+
+  def emit_pinned(index: int) -> None:
+    for copy, to_device, to_host, until in pinned_after.get(index, ()):
+      if to_device or to_host:
+        waits.append((len(copies), until))
+        copies.append(StateCopy(len(equations), to_device, to_host,
+                                pinned=True))
+      equations.append(copy)
+
+  emit_pinned(-1)  # fetched at the step's start
   for index, equation in enumerate(program.equations):
     for copy in copy_before.get(index, ()):
       copies.append(StateCopy(len(equations),
@@ -624,9 +643,16 @@ def _stream_state(program: Program, state: HostState, names: dict[int, str],
       copies.append(StateCopy(len(equations), 0,
                               aval_nbytes(avals[copy.inputs[0]])))
       equations.append(copy)
+    emit_pinned(index)
   for copy in copy_before.get(n, ()):
     equations.append(copy)
+
   index_of[n] = len(equations)
+  at = {id(e): k for k, e in enumerate(equations)}
+  for number, until in waits:
+    wait = (None if until is None else index_of[until]
+            if isinstance(until, int) else at[id(until)])
+    copies[number] = dataclasses.replace(copies[number], wait_before=wait)
   # A removed equation's index stands for its run's loop.
   for run in runs:
     for index in run:

@@ -334,13 +334,16 @@ STRATEGIES = (LoopsAsTheyAre(), InputsMadeInLoops(), LoopsRemaking(),
 
 def loop_ways(plain: AnalysedProgram, config: OffloadConfig,
               target_name: str | None, devices: int = 1,
-              least_memory: bool = False) -> Iterator[Way]:
+              least_memory: bool = False,
+              updates_moved: bool | None = None) -> Iterator[Way]:
   """Each way the step's scans can run (see the module docstring); only
   the step as it is where `config.scan_residuals` is off. `devices`: how
   many devices the step spans (a batch split divides each one's share);
   `least_memory`: the ways are for the least memory, not a budget (a
-  batch split's totals start from zeros, `jlms._batch_split`)."""
-  start = _start(plain, config, devices, least_memory)
+  batch split's totals start from zeros, `jlms._batch_split`);
+  `updates_moved`: each update where its gradient is made (None: where
+  the state stays on the device)."""
+  start = _start(plain, config, devices, least_memory, updates_moved)
   yield from STRATEGIES[0].ways(start, None, config, None)
   if not config.scan_residuals:
     return
@@ -356,12 +359,12 @@ def loop_ways(plain: AnalysedProgram, config: OffloadConfig,
 
 def _start(plain: AnalysedProgram, config: OffloadConfig,
            devices: int = 1, least_memory: bool = False,
-           program=None) -> _Start:
+           updates_moved: bool | None = None, program=None) -> _Start:
   """The step's program (or `program`, a rewrite of it), with its runs
   split over the batch where `config.split_batch` (a split that fails
-  leaves the step as it is), and, where the state stays on the device,
-  each parameter's update where its gradient is made
-  (`jlms._update_order`). With its short gradient-accumulation loops
+  leaves the step as it is), and, where the state stays on the device
+  (or `updates_moved` says so), each parameter's update where its
+  gradient is made (`jlms._update_order`). With its short gradient-accumulation loops
   unrolled, the same again as its `unrolled` start (`jlms._unroll`)."""
   described = ()
   given = program
@@ -374,11 +377,13 @@ def _start(plain: AnalysedProgram, config: OffloadConfig,
     except Exception as error:  # noqa: BLE001 -- the split only
       log.debug("jlms: no batch split (%s: %s)", type(error).__name__,
                 error)
-  if not plain.state:
+  moved = not plain.state if updates_moved is None else updates_moved
+  if moved:
     # With state kept on host, each leaf's update fetches it: run during
     # the backward pass, what it fetches sits on the device beside the
     # activations (Llama-3.2-3B's least memory: 14.48 GiB by XLA with the
-    # updates moved, 8.64 as the step has them).
+    # updates moved, 8.64 as the step has them), unless its copies are
+    # pinned there (`placed_ways`).
     program = updates_at_gradients(program)
   if given is not None:
     return _Start(program, analyse(program), tuple(described))
@@ -388,7 +393,7 @@ def _start(plain: AnalysedProgram, config: OffloadConfig,
       loops = accumulation_loops(plain.program)
       if loops:
         unrolled_start = dataclasses.replace(
-            _start(plain, config, devices, least_memory,
+            _start(plain, config, devices, least_memory, updates_moved,
                    unrolled(plain.program, loops)),
             unrolled_loops=len(loops))
     except Exception as error:  # noqa: BLE001 -- the unrolling only
@@ -420,13 +425,15 @@ class PlacedWay:
 
 class WayCache:
   """The placed ways of the analysed steps a step object planned last
-  (a budget search fits the same ways many times)."""
+  (a budget search fits the same ways many times), by analysed step and
+  `variant` (what else they depend on: the least memory or a budget,
+  copies pinned or not)."""
 
   def __init__(self):
     self._entries: dict = {}
 
-  def get(self, plain, build, least_memory: bool = False):
-    key = (id(plain), least_memory)
+  def get(self, plain, build, variant=False):
+    key = (id(plain), variant)
     cached = self._entries.get(key)
     if cached is None or cached[0] is not plain:
       cached = self._entries[key] = (plain, tuple(build()))
@@ -437,36 +444,57 @@ class WayCache:
 
 def placed_ways(plain: AnalysedProgram, config: OffloadConfig,
                 target_name: str | None, cache: WayCache, devices: int = 1,
-                least_memory: bool = False) -> tuple[PlacedWay, ...]:
+                least_memory: bool = False,
+                on_gpu: bool = False) -> tuple[PlacedWay, ...]:
   """Each of `loop_ways`, with `plain.state` kept as it says and the
   residuals streamed, analysed with fused equations placed at their
   readers; once per analysed step and `least_memory` (as `loop_ways`
   takes it). A way that the state's or the
   residuals' rewrite cannot take is left out (debug log), except the
-  first, the step as it is."""
+  first, the step as it is.
+
+  With state on host and a GPU's budget to fit (`on_gpu`: XLA confirms
+  the plan for a GPU), each way comes twice:
+  with the updates where the optimizer's code puts them, at the step's
+  end, their state streamed in loops of slices; and with each update
+  where its gradient is made, its state copied whole and pinned beside
+  the backward pass (`jlms._state_pins`). The first holds less at once
+  (what a loop fetches is a slice); the second hides its copies under
+  the backward pass's kernels (8 of Llama-3-8B's layers at batch 4, 40
+  GiB asked of the simulator, schedule model: 1363.6 ms, 793.7 of it
+  copies waited for; 1139.0 ms, 451.4, at 46.0 GiB by XLA)."""
+  pinned = bool(plain.state) and not least_memory and on_gpu
+
   def build():
-    for number, way in enumerate(loop_ways(plain, config, target_name,
-                                           devices, least_memory)):
-      try:
-        yield _placed(plain, way)
-      except Exception as error:  # noqa: BLE001 -- this way only
-        if number == 0:
-          raise
-        log.debug("jlms: %s left out (%s: %s)", way.description,
-                  type(error).__name__, error)
-  return cache.get(plain, build, least_memory)
+    variants = [(False, None)]
+    if pinned:
+      variants.append((True, time_target(target_name)))
+    for moved, target in variants:
+      for number, way in enumerate(loop_ways(
+          plain, config, target_name, devices, least_memory,
+          moved if pinned else None)):
+        try:
+          yield _placed(plain, way, target)
+        except Exception as error:  # noqa: BLE001 -- this way only
+          if number == 0 and not moved:
+            raise
+          log.debug("jlms: %s left out (%s: %s)", way.description,
+                    type(error).__name__, error)
+  return cache.get(plain, build, (least_memory, pinned))
 
 
-def _placed(plain: AnalysedProgram, way: Way) -> PlacedWay:
+def _placed(plain: AnalysedProgram, way: Way, target=None) -> PlacedWay:
   program, liveness, residuals = way.program, way.liveness, way.residuals
   description, copies = way.description, ()
   if plain.state or plain.state.on_device:
     program, copies, residuals = keep_state_on_host(
         program, plain.state, residuals, plain.argument_names,
-        plain.leading_splits)
+        plain.leading_splits, target)
     liveness = analyse(program)
     if plain.state:
       description += f", {len(plain.state.inputs)} state leaves on host"
+      if target is not None:
+        description += ", their copies pinned beside the backward pass"
   elif residuals:
     program = offload_scan_residuals(program, residuals)
     liveness = analyse(program)
@@ -497,6 +525,7 @@ def _reindexed(program, placed, residuals, copies):
   residuals = tuple(dataclasses.replace(
       r, producer=moved(r.producer),
       readers=tuple(moved(i) for i in r.readers)) for r in residuals)
-  copies = tuple(dataclasses.replace(c, index=moved(c.index))
+  copies = tuple(dataclasses.replace(c, index=moved(c.index),
+                                     wait_before=moved(c.wait_before))
                  for c in copies)
   return residuals, copies

@@ -22,7 +22,7 @@ import pytest
 from flax.training import train_state
 
 import jlms
-from jlms import _offload, _state, _thresholds, _update_loops
+from jlms import _offload, _state, _state_order, _thresholds, _update_loops
 from jlms._liveness import analyse
 from jlms._config import OffloadConfig
 from jlms._program import flatten
@@ -150,7 +150,8 @@ def test_a_step_returning_its_state_in_another_order_keeps_it_in_place():
   placed = offloaded.place(_copy(args[0]), _copy(args[1]), args[2])
   assert jax.tree.map(lambda a: _kinds(a).pop(), (params, opt_state)) == (
       jax.tree.map(lambda a: _kinds(a).pop(), placed[:2]))
-  assert "pinned_host" in _kinds(params["w"]) | _kinds(opt_state[0].mu["w"])
+  assert "pinned_host" in set().union(
+      *map(_kinds, jax.tree.leaves((params, opt_state[0].mu))))
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     actual = offloaded(params, opt_state, args[2])
@@ -159,9 +160,10 @@ def test_a_step_returning_its_state_in_another_order_keeps_it_in_place():
 
 def test_a_weights_two_moments_are_grouped_and_go_to_host_together():
   """AdamW's two moments of one weight are updated by one run, so they go
-  to host together: the budget search moves both moments of one of the
-  largest weights first (its loop then fetches one while writing the
-  other back), not one moment each of two weights of the same size."""
+  to host together: the budget search moves both moments of one weight
+  at a time, not one moment each of two weights of the same size. No
+  loop makes these gradients, so the moments' whole copies are pinned
+  beside the backward pass, the smallest first (`hidden_updates_first`)."""
   params = {"a": jnp.ones((64, 128)), "b": jnp.ones((64, 128)),
             "small": jnp.ones((64, 32))}
   optimizer = optax.adamw(1e-3)
@@ -187,11 +189,11 @@ def test_a_weights_two_moments_are_grouped_and_go_to_host_together():
                                    for which in ("mu", "nu")))
                 for name in names}
   every = sorted(p for pair in moments_of.values() for p in pair)
-  groups = _state.largest_updates_first(program, liveness, every)
+  groups = _state_order.hidden_updates_first(program, liveness, every)
   assert sorted(tuple(sorted(g)) for g in groups) == sorted(
       moments_of.values())
-  assert tuple(sorted(groups[0])) in (moments_of["a"], moments_of["b"])
-  assert tuple(sorted(groups[-1])) == moments_of["small"]
+  assert tuple(sorted(groups[0])) == moments_of["small"]
+  assert tuple(sorted(groups[-1])) in (moments_of["a"], moments_of["b"])
 
 
 def test_update_runs_one_slice_at_a_time():
@@ -447,6 +449,27 @@ def _update_loops_overlapping_copies(hlo_text: str) -> tuple[int, int]:
   return loops, overlapping
 
 
+def _whole_copies_beside_kernels(hlo_text: str) -> tuple[int, int]:
+  """(copies of whole arrays to or from host in XLA's compiled program,
+  those of them with a kernel scheduled between their start and done),
+  of the copies waited for after the program's first kernel (before it,
+  a fetch for the forward pass's first reads has none to hide under)."""
+  copies = beside = 0
+  for computation in hlo_computations(hlo_text):
+    instructions = computation.instructions
+    kernels = [i for i, (_, _, rest) in enumerate(instructions)
+               if rest.startswith(("fusion(", "custom-call("))]
+    started = {}
+    for i, (name, shape, rest) in enumerate(instructions):
+      if name.startswith("copy-start") and "S(5)" in shape:
+        started[name] = i
+      done = re.match(r"copy-done\(%([\w.\-]+)\)", rest)
+      if done and done.group(1) in started and kernels and i > kernels[0]:
+        copies += 1
+        beside += any(started[done.group(1)] < k < i for k in kernels)
+  return copies, beside
+
+
 @pytest.mark.slow  # two compiles for an H100: the plan's and jax.jit's program
 def test_xla_counts_the_state_in_host_memory():
   case = _small_gpt(layers=2)
@@ -460,11 +483,15 @@ def test_xla_counts_the_state_in_host_memory():
   memory = jlms.xla_memory(on_host, *abstract, target="h100")
   assert memory.host_argument_bytes == plan.state_host_bytes
   assert plan.xla_peak_bytes == memory.peak_bytes
-  # Each update loop fetches its next slices while it writes its updated
-  # ones to host, on the other copy engine, in XLA's H100 schedule.
+  # The state crosses beside compute in XLA's H100 schedule: each update
+  # loop fetches its next slices while it writes its updated ones to
+  # host, on the other copy engine; each whole copy pinned beside the
+  # backward pass has kernels between its start and its wait.
   loops, overlapping = _update_loops_overlapping_copies(memory.hlo_text)
-  assert loops >= 2
+  copies, beside = _whole_copies_beside_kernels(memory.hlo_text)
+  assert loops + copies >= 2
   assert overlapping == loops
+  assert beside == copies
   # Against jax.jit's program, whose state arrives on the device (one
   # compile; jlms's own state_on_host=False plan is tested in
   # test_update_fusion and test_regressions).
