@@ -274,6 +274,8 @@ def predict_step_time(program: Program, liveness: Liveness,
       continue
     key = ("state", number)
     wait = n if copy.wait_before is None else min(copy.wait_before, n)
+    d2h += copy.to_host
+    h2d += copy.to_device
     if copy.to_device:
       ins_before[copy.index].append((key, copy.to_device))
       waits[wait].append(key)
