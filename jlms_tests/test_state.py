@@ -22,7 +22,7 @@ import pytest
 from flax.training import train_state
 
 import jlms
-from jlms import _offload, _state, _state_order, _thresholds, _update_loops
+from jlms import _offload, _state, _thresholds, _update_loops
 from jlms._liveness import analyse
 from jlms._config import OffloadConfig
 from jlms._program import flatten
@@ -156,44 +156,6 @@ def test_a_step_returning_its_state_in_another_order_keeps_it_in_place():
     warnings.simplefilter("error")
     actual = offloaded(params, opt_state, args[2])
   _assert_close(actual, expected)
-
-
-def test_a_weights_two_moments_are_grouped_and_go_to_host_together():
-  """AdamW's two moments of one weight are updated by one run, so they go
-  to host together: the budget search moves both moments of one weight
-  at a time, not one moment each of two weights of the same size. No
-  loop makes these gradients, so the moments' whole copies are pinned
-  beside the backward pass, the smallest first (`hidden_updates_first`)."""
-  params = {"a": jnp.ones((64, 128)), "b": jnp.ones((64, 128)),
-            "small": jnp.ones((64, 32))}
-  optimizer = optax.adamw(1e-3)
-
-  def loss(p, x):
-    hidden = jnp.tanh(x @ p["a"].T) * jnp.tanh(x @ p["b"].T)
-    return jnp.sum(hidden @ p["small"])
-
-  def step(params, opt_state, x):
-    grads = jax.grad(loss)(params, x)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  opt_state = optimizer.init(params)
-  program = flatten(jax.make_jaxpr(step)(params, opt_state,
-                                         jnp.ones((4, 128))))
-  liveness = analyse(program)
-  flat = jax.tree_util.tree_flatten_with_path((params, opt_state))[0]
-  positions = {jax.tree_util.keystr(path): k
-               for k, (path, _) in enumerate(flat)}
-  names = ("a", "b", "small")
-  moments_of = {name: tuple(sorted(positions[f"[1][0].{which}['{name}']"]
-                                   for which in ("mu", "nu")))
-                for name in names}
-  every = sorted(p for pair in moments_of.values() for p in pair)
-  groups = _state_order.hidden_updates_first(program, liveness, every)
-  assert sorted(tuple(sorted(g)) for g in groups) == sorted(
-      moments_of.values())
-  assert tuple(sorted(groups[0])) == moments_of["small"]
-  assert tuple(sorted(groups[-1])) in (moments_of["a"], moments_of["b"])
 
 
 def test_update_runs_one_slice_at_a_time():

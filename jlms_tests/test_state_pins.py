@@ -2,7 +2,8 @@
 (`jlms._state_pins`, and `jlms._state.keep_state_on_host` with a target):
 each fetch starts a margin of link time ahead of its read, each write-back
 ends a margin after its update, one engine a direction; the pinned program
-of a Python-loop stack equals jax.jit's over several steps."""
+of a Python-loop stack equals jax.jit's over several steps. And the order
+in which a budget's search moves moments to host (`jlms._state_order`)."""
 
 from __future__ import annotations
 
@@ -194,6 +195,51 @@ def test_a_python_loop_stack_with_pinned_state_equals_jax_jit(
   assert step.plan(*actual).state_leaves > 0
 
 
+def _moments_in_order(step, params, optimizer, x):
+  """(the Adam moments' positions of each parameter of `step`'s flat
+  inputs, by name; the groups of them in the order a budget's search
+  moves them to host)."""
+  opt_state = optimizer.init(params)
+  program = flatten(jax.make_jaxpr(step)(params, opt_state, x))
+  flat = jax.tree_util.tree_flatten_with_path((params, opt_state))[0]
+  positions = {jax.tree_util.keystr(path): k
+               for k, (path, _) in enumerate(flat)}
+  moments_of = {name: tuple(sorted(positions[f"[1][0].{which}['{name}']"]
+                                   for which in ("mu", "nu")))
+                for name in params}
+  every = sorted(p for pair in moments_of.values() for p in pair)
+  groups = _state_order.hidden_updates_first(program, analyse(program),
+                                             every)
+  return moments_of, [tuple(sorted(g)) for g in groups]
+
+
+def test_a_weights_two_moments_are_grouped_and_go_to_host_together(
+    stream_small_leaves):
+  """AdamW's two moments of one weight are updated by one run, so they go
+  to host together: the budget search moves both moments of one weight
+  at a time, not one moment each of two weights of the same size. No
+  loop makes these gradients, so the moments' whole copies are pinned
+  beside the backward pass, the smallest first."""
+  params = {"a": jnp.ones((64, 128)), "b": jnp.ones((64, 128)),
+            "small": jnp.ones((64, 32))}
+  optimizer = optax.adamw(1e-3)
+
+  def loss(p, x):
+    hidden = jnp.tanh(x @ p["a"].T) * jnp.tanh(x @ p["b"].T)
+    return jnp.sum(hidden @ p["small"])
+
+  def step(params, opt_state, x):
+    grads = jax.grad(loss)(params, x)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  moments_of, groups = _moments_in_order(step, params, optimizer,
+                                         jnp.ones((4, 128)))
+  assert sorted(groups) == sorted(moments_of.values())
+  assert groups[0] == moments_of["small"]
+  assert groups[-1] in (moments_of["a"], moments_of["b"])
+
+
 def test_moments_updated_in_the_backward_loop_go_to_host_first(
     stream_small_leaves):
   """A layer stack run by `lax.scan` and a head beside it, four times the
@@ -212,17 +258,6 @@ def test_moments_updated_in_the_backward_loop_go_to_host_first(
     return optax.apply_updates(params, updates), opt_state
 
   params = {"stack": jnp.ones((4, 64, 64)), "head": jnp.ones((64, 1024))}
-  opt_state = optimizer.init(params)
-  program = flatten(jax.make_jaxpr(step)(params, opt_state,
-                                         jnp.ones((8, 64))))
-  liveness = analyse(program)
-  flat = jax.tree_util.tree_flatten_with_path((params, opt_state))[0]
-  positions = {jax.tree_util.keystr(path): k
-               for k, (path, _) in enumerate(flat)}
-  moments_of = {name: tuple(sorted(positions[f"[1][0].{which}['{name}']"]
-                                   for which in ("mu", "nu")))
-                for name in ("stack", "head")}
-  every = sorted(p for pair in moments_of.values() for p in pair)
-  groups = _state_order.hidden_updates_first(program, liveness, every)
-  assert [tuple(sorted(g)) for g in groups] == [moments_of["stack"],
-                                                moments_of["head"]]
+  moments_of, groups = _moments_in_order(step, params, optimizer,
+                                         jnp.ones((8, 64)))
+  assert groups == [moments_of["stack"], moments_of["head"]]
