@@ -169,6 +169,10 @@ class Plan:
   #: State leaves whose update runs inside the loop that makes their
   #: gradients (so that no gradient stack of them is made).
   state_updated_in_loops: int = 0
+  #: Whole copies of state on host (fetches and write-backs) pinned beside
+  #: the backward pass, each update where its gradient is made
+  #: (`jlms._state_pins`).
+  state_copies_pinned: int = 0
   #: Bytes of the state leaves kept on host.
   state_host_bytes: int = 0
   #: How many devices share the step's arrays where its jaxpr holds them
@@ -309,6 +313,11 @@ class Plan:
           "memory between steps: read slice by slice where the scans read "
           "them, updated in loops of slices or fetched whole beside the "
           "backward pass, written back to host")
+    if self.state_copies_pinned:
+      lines.append(
+          f"jlms: {self.state_copies_pinned} whole copies of state run "
+          "beside the backward pass, each update where its gradient is "
+          "made")
     if self.state_updated_in_loops:
       lines.append(
           f"jlms: the updates of {self.state_updated_in_loops} state leaves "

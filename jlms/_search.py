@@ -1193,7 +1193,8 @@ def _planned(request: SearchRequest, config, chosen: _Candidate
           measured, chosen.rewritten),
       time_target=times.name, split=request.split,
       state_updated_in_loops=sum(c.updated_in_loop
-                                 for c in placed.state_copies))
+                                 for c in placed.state_copies),
+      state_copies_pinned=sum(c.pinned for c in placed.state_copies))
   return PlannedStep(placed.program, result.offloads, plan,
                      request.out_trees[-1], chosen.rewritten,
                      request.jit_params,
