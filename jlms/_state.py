@@ -42,7 +42,6 @@ import types
 from typing import Sequence
 
 import jax
-
 import numpy as np
 
 from jlms import _compat, _rules
@@ -329,10 +328,10 @@ def keep_state_on_host(program: Program, state: HostState,
   streams them. `leading_splits` (per input position) says how each
   argument's leading axis is cut over devices
   (`jlms._sharding.leading_split`); an update loop takes its rows within
-  each shard (`jlms._update_loops`). With a `target`, an update that only
-  reads its state on host copies it whole, pinned beside the kernels
+  each shard (`jlms._update_loops`). With a `target`, an update that no
+  loop fuses copies its state on host whole, pinned beside the kernels
   around it by `jlms._state_pins` (by `target`'s kernel model), instead of
-  running as a loop. Returns
+  running as a loop of its own. Returns
   the program, the `StateCopy`s, and the streamed residuals and state
   reads, indexed in the returned program."""
   liveness = analyse(program)

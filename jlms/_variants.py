@@ -364,8 +364,9 @@ def _start(plain: AnalysedProgram, config: OffloadConfig,
   split over the batch where `config.split_batch` (a split that fails
   leaves the step as it is), and, where the state stays on the device
   (or `updates_moved` says so), each parameter's update where its
-  gradient is made (`jlms._update_order`). With its short gradient-accumulation loops
-  unrolled, the same again as its `unrolled` start (`jlms._unroll`)."""
+  gradient is made (`jlms._update_order`). With its short
+  gradient-accumulation loops unrolled, the same again as its `unrolled`
+  start (`jlms._unroll`)."""
   described = ()
   given = program
   program = plain.program if program is None else program
