@@ -25,6 +25,12 @@ set, and reads what it prints or writes.
         and losses, the plan's state leaves on host and offloaded values,
         and how many devices the outputs span.
 
+    python -m jlms_tests._sharded_worker llama_pinned
+        The same, planned for an H100's budget with the state on host
+        (`target="h100"`): each leaf's update runs where its gradient is
+        made and its state's whole copies are pinned beside the backward
+        pass. Prints the same object, with the plan's pinned copies.
+
     python -m jlms_tests._sharded_worker step --out FILE
         [--coordinator HOST:PORT --num-processes N --process-id I]
         One data-parallel step under jlms.offload over all devices of all
@@ -269,7 +275,12 @@ def _three_steps(real, stepper, args, place: bool) -> list:
   return outputs
 
 
-def llama() -> dict:
+def llama(pinned: bool = False) -> dict:
+  """Three steps of the tiny Llama, FSDP-style over every device, under
+  jax.jit and under jlms.offload: the plan of the least memory, or with
+  `pinned` the plan for an H100's budget with the state on host (the
+  plan shape of the 8B and the 70B: each update where its gradient is
+  made, its state's whole copies pinned beside the backward pass)."""
   from benchmarks.real_models import REAL_MODELS
   devices = jax.devices()
   real = REAL_MODELS["llama"]("tiny", batch=len(devices))
@@ -281,7 +292,11 @@ def llama() -> dict:
   expected = _three_steps(real, real.jitted(), fresh(), place=False)
   _thresholds.THRESHOLDS = dataclasses.replace(
       _thresholds.THRESHOLDS, streamed_leaf_min_bytes=1)
-  step = real.offload(budget="min")
+  if pinned:
+    step = real.offload(budget="90%", target="h100", state_on_host=True,
+                        min_bytes=1024)
+  else:
+    step = real.offload(budget="min")
   plan = step.plan(*fresh())
   actual = _three_steps(real, step, fresh(), place=True)
   last = jax.tree.leaves(step(*step.place(*fresh())))
@@ -290,6 +305,7 @@ def llama() -> dict:
       "error": max(max_relative_error(a, e)
                    for a, e in zip(actual, expected)),
       "state_leaves": plan.state_leaves,
+      "state_copies_pinned": plan.state_copies_pinned,
       "offloaded": len(plan.offloaded),
       "output_devices": max(len(leaf.sharding.device_set) for leaf in last),
   }
@@ -322,14 +338,16 @@ def step(out: str) -> None:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("mode", choices=("layouts", "llama", "step"))
+  parser.add_argument("mode", choices=("layouts", "llama", "llama_pinned",
+                                       "step"))
   parser.add_argument("--out")
   parser.add_argument("--coordinator")
   parser.add_argument("--num-processes", type=int, default=1)
   parser.add_argument("--process-id", type=int, default=0)
   options = parser.parse_args(argv)
-  if options.mode in ("layouts", "llama"):
-    print(json.dumps(layouts() if options.mode == "layouts" else llama()))
+  if options.mode != "step":
+    print(json.dumps(layouts() if options.mode == "layouts"
+                     else llama(pinned=options.mode == "llama_pinned")))
     return
   if options.coordinator:
     jax.distributed.initialize(coordinator_address=options.coordinator,
