@@ -1027,16 +1027,6 @@ def _confirmed(request: SearchRequest, config, chosen: _Candidate, searched,
     others = list(others)
     if chosen.measured <= budget * (1 + _CLOSE_MISS) and tighter is None:
       others = []  # a tighter fit first, other ways in its ranking
-    missed = _copies_pinned(chosen.placed)
-    unlike = [f for f in others if _copies_pinned(f[0]) != missed]
-    if unlike:
-      # The simulator's error is mostly the kind of state copies', not the
-      # way's: Llama-3-8B at batch 8, its state's copies pinned, three
-      # ways fitted for 76.7 GiB came out of XLA at 90.78, 86.80 and
-      # 82.81 GiB, and after three refusals the search took the
-      # least-memory plan (8119 ms by the schedule model, where a plan
-      # with its state in loops had taken 6833).
-      others = unlike
     if others:
       if tighter is None:
         tighter = int(searched * budget / chosen.measured * 0.97)
@@ -1382,25 +1372,10 @@ def ranked_fits(request: SearchRequest, budget: int | None, ways=None,
 def _near(ranked: list) -> list:
   """The fits of `ranked` (the fastest first) predicted within
   `_NEXT_WAY_SLOWER_BY` of the first: those worth a compile when XLA
-  refuses the first (each costs as much as jax.jit's own); then the
-  fastest of each kind of state copies (`_copies_pinned`) that none of
-  those has, however much slower: where XLA refuses every plan of one
-  kind, the other comes before a tighter fit (`_confirmed`)."""
+  refuses the first (each costs as much as jax.jit's own)."""
   first = ranked[0][2].step_time.total_s
-  near = [f for f in ranked
+  return [f for f in ranked
           if f[2].step_time.total_s <= first * (1 + _NEXT_WAY_SLOWER_BY)]
-  kinds = {_copies_pinned(f[0]) for f in near}
-  for f in ranked:
-    if _copies_pinned(f[0]) not in kinds:
-      kinds.add(_copies_pinned(f[0]))
-      near.append(f)
-  return near
-
-
-def _copies_pinned(placed) -> bool:
-  """Whether a placed way copies its state on host whole, pinned beside
-  the backward pass (`jlms._state_pins`), rather than in loops."""
-  return any(copy.pinned for copy in placed.state_copies)
 
 
 def _refused(budget, target, plain_peak, least_peak, smallest,

@@ -8,7 +8,6 @@ in which a budget's search moves moments to host (`jlms._state_order`)."""
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ import optax
 import pytest
 
 import jlms
-from jlms import _compat, _search, _state, _state_order, _thresholds
+from jlms import _compat, _state, _state_order, _thresholds
 from jlms._cost import TARGETS, kernel_seconds
 from jlms._liveness import analyse
 from jlms._program import flatten
@@ -67,35 +66,6 @@ def test_the_critical_chain_is_timed_and_the_rest_is_not_pinned_to():
                                  np.ones(len(program)))
   assert list(starts) == [0.0, 1.0, 0.0, 2.0, 3.0, 1.0]
   assert list(on_chain) == [True, True, False, True, True, False]
-
-
-def _fit(seconds: float, pinned: bool):
-  """A fit as `jlms._search.ranked_fits` gives it: (placed way,
-  residuals, result), with only what `_near` reads."""
-  placed = types.SimpleNamespace(
-      state_copies=(types.SimpleNamespace(pinned=pinned),))
-  result = types.SimpleNamespace(
-      step_time=types.SimpleNamespace(total_s=seconds))
-  return placed, (), result
-
-
-def test_the_fastest_fit_of_the_other_kind_of_copies_is_kept_in_reserve():
-  """XLA's peak of a pinned plan can miss the simulator's by more than
-  any tighter fit allows for (Llama-3-8B at batch 8: three pinned ways
-  fitted for 76.7 GiB came out at 82.8 to 90.8), so the ways worth a
-  compile after a refusal hold the fastest plan with its state in loops
-  however much slower it is predicted, and the next one too slow is
-  left out."""
-  ranked = [_fit(10.0, True), _fit(10.5, True), _fit(10.8, False),
-            _fit(11.5, True), _fit(12.0, False), _fit(13.0, False)]
-  near = _search._near(ranked)
-  assert near == ranked[:3]
-  ranked = [_fit(10.0, True), _fit(10.5, True), _fit(12.0, False),
-            _fit(12.5, True), _fit(13.0, False)]
-  assert _search._near(ranked) == [ranked[0], ranked[1], ranked[2]]
-  # One kind only: the ways within 10% of the fastest, as before.
-  ranked = [_fit(10.0, False), _fit(10.9, False), _fit(11.2, False)]
-  assert _search._near(ranked) == ranked[:2]
 
 
 @pytest.fixture
