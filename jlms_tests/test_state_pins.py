@@ -81,37 +81,6 @@ def _adam_step(w, m, v, g):
   return w - 0.01 * m / (jnp.sqrt(v) + 1e-8), m, v
 
 
-def _stack_pinned(layer):
-  """Four `layer`s of 256 x 256 weights in a Python loop over 65536 rows,
-  AdamW by hand, each update moved to its gradient and all of the state
-  donated and on host (as `jlms.offload` donates it), pinned for an
-  H100: (the program before, the rewritten program, its state copies).
-  65536 rows: a layer's matmuls take several times a moment's link
-  time, so the pins fall inside the backward pass."""
-  def step(ws, ms, vs, x):
-    def loss(ws):
-      y = x
-      for w in ws:
-        y = layer(y, w)
-      return jnp.sum(y)
-    grads = jax.grad(loss)(ws)
-    updated = [_adam_step(*a) for a in zip(ws, ms, vs, grads)]
-    return tuple(tuple(u[k] for u in updated) for k in range(3))
-
-  weights = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 4
-  program = flatten(jax.make_jaxpr(step)(
-      weights, weights, weights, jax.ShapeDtypeStruct((65536, 256),
-                                                      jnp.float32)))
-  program = updates_at_gradients(dataclasses.replace(
-      program, donated=tuple(range(12))))
-  liveness = analyse(program)
-  state = _state.host_state(program, liveness,
-                            _state.state_pairs(program, range(12)))
-  rewritten, copies, _ = _state.keep_state_on_host(
-      program, state, target=TARGETS["h100"])
-  return program, rewritten, copies
-
-
 def test_a_stacks_moments_on_host_are_pinned_whole_beside_later_layers(
     stream_small_leaves):
   """Four layers in a Python loop, their moments on host, each update
@@ -119,7 +88,30 @@ def test_a_stacks_moments_on_host_are_pinned_whole_beside_later_layers(
   through a barrier with a value made before its read (not in a loop at
   the step's end), and goes back through one with a value read after
   its update."""
-  program, rewritten, copies = _stack_pinned(lambda y, w: jnp.tanh(y @ w))
+  def step(ws, ms, vs, x):
+    def loss(ws):
+      y = x
+      for w in ws:
+        y = jnp.tanh(y @ w)
+      return jnp.sum(y)
+    grads = jax.grad(loss)(ws)
+    updated = [_adam_step(*a) for a in zip(ws, ms, vs, grads)]
+    return tuple(tuple(u[k] for u in updated) for k in range(3))
+
+  # 65536 rows: a layer's matmuls take several times a moment's link
+  # time, so the pins fall inside the backward pass.
+  weights = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 4
+  program = flatten(jax.make_jaxpr(step)(
+      weights, weights, weights, jax.ShapeDtypeStruct((65536, 256),
+                                                      jnp.float32)))
+  # All of the state donated and on host, as `jlms.offload` donates it.
+  program = updates_at_gradients(dataclasses.replace(
+      program, donated=tuple(range(12))))
+  liveness = analyse(program)
+  state = _state.host_state(program, liveness,
+                            _state.state_pairs(program, range(12)))
+  rewritten, copies, _ = _state.keep_state_on_host(
+      program, state, target=TARGETS["h100"])
   assert not any(e.primitive is _compat.scan_p for e in rewritten.equations)
   fetched = [i for i, e in enumerate(rewritten.equations)
              if _compat.is_device_put(e.eqn) and _compat.is_host_aval(
@@ -171,9 +163,28 @@ def test_a_copy_is_tied_only_to_a_value_xla_writes_to_a_buffer_anyway(
   inside the scaling's kernel, and a barrier that read it would make it
   a buffer of its own (Llama-3-8B's attention: 16 GiB a value). Every
   barrier ties its copy to a value the fusion model keeps as a buffer."""
-  program, rewritten, _ = _stack_pinned(
-      lambda y, w: 2.0 * jnp.tanh(y @ w))
-  buffers = analyse_fusion(program, analyse(program)).materialized
+  def step(ws, ms, vs, x):
+    def loss(ws):
+      y = x
+      for w in ws:
+        y = 2.0 * jnp.tanh(y @ w)
+      return jnp.sum(y)
+    grads = jax.grad(loss)(ws)
+    updated = [_adam_step(*a) for a in zip(ws, ms, vs, grads)]
+    return tuple(tuple(u[k] for u in updated) for k in range(3))
+
+  weights = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 4
+  program = flatten(jax.make_jaxpr(step)(
+      weights, weights, weights, jax.ShapeDtypeStruct((65536, 256),
+                                                      jnp.float32)))
+  program = updates_at_gradients(dataclasses.replace(
+      program, donated=tuple(range(12))))
+  liveness = analyse(program)
+  buffers = analyse_fusion(program, liveness).materialized
+  state = _state.host_state(program, liveness,
+                            _state.state_pairs(program, range(12)))
+  rewritten, _, _ = _state.keep_state_on_host(
+      program, state, target=TARGETS["h100"])
   tied = [e.inputs[-1] for e in rewritten.equations
           if e.primitive is _compat.barrier_p
           and not _compat.is_host_aval(rewritten.avals[e.inputs[-1]])]
