@@ -46,7 +46,6 @@ from jlms import _compat
 from jlms._liveness import Liveness, aval_nbytes
 from jlms._names import profile_scope
 from jlms._program import Equation, Program
-from jlms._simulator import analyse_fusion
 
 #: The share of the step by which an equation may start later than it can
 #: and still count as on the critical chain (`chain_times`).
@@ -139,14 +138,6 @@ def pin_copies(program: Program, liveness: Liveness, avals: list,
   `skipped` (replaced by the caller) are not renamed."""
   n = len(program)
   starts, on_chain = chain_times(program, liveness, kernel_s)
-  # A barrier reads only what XLA writes to a buffer anyway: one that reads
-  # a value XLA would compute inside its readers' kernels makes it a
-  # buffer. Tied to the first value of the critical chain at its time,
-  # Llama-3-8B's 16 layers at batch 8 had its attention's broadcast and
-  # division, 16 GiB each, made buffers in the backward pass, and XLA's
-  # peak came out 5 to 16 GiB over the simulator's (85.3 to 95.8 GiB for
-  # 80.2).
-  buffers = analyse_fusion(program, liveness).materialized
   ends = starts + kernel_s
   # Points on the critical chain alone: elsewhere XLA's order is its own.
   by_end = sorted(np.flatnonzero(on_chain).tolist(), key=lambda i: ends[i])
@@ -172,7 +163,7 @@ def pin_copies(program: Program, liveness: Liveness, avals: list,
                  if placed < r < n and r not in skipped]
         # One barrier a value: a second would take the first's later
         # reads, and XLA drops an operand whose result nobody reads.
-        if (not later or made in tied_values or not buffers[made]
+        if (not later or made in tied_values
             or _compat.is_host_aval(avals[made])
             or not _compat.passes_a_barrier(avals[made])):
           continue

@@ -21,7 +21,6 @@ from jlms._cost import TARGETS, kernel_seconds
 from jlms._liveness import analyse
 from jlms._program import flatten
 from jlms._schedule import predict_step_time
-from jlms._simulator import analyse_fusion
 from jlms._state_pins import (LEAD_MARGIN, chain_times, fetch_times,
                               write_times)
 from jlms._update_order import updates_at_gradients
@@ -155,41 +154,6 @@ def test_a_stacks_moments_on_host_are_pinned_whole_beside_later_layers(
   # Both count every byte that crosses the link.
   for time in (beside, whole):
     assert time.d2h_bytes == time.h2d_bytes == 12 * 256 * 256 * 4
-
-
-def test_a_copy_is_tied_only_to_a_value_xla_writes_to_a_buffer_anyway(
-    stream_small_leaves):
-  """Each layer's output scaled after its tanh: XLA computes the tanh
-  inside the scaling's kernel, and a barrier that read it would make it
-  a buffer of its own (Llama-3-8B's attention: 16 GiB a value). Every
-  barrier ties its copy to a value the fusion model keeps as a buffer."""
-  def step(ws, ms, vs, x):
-    def loss(ws):
-      y = x
-      for w in ws:
-        y = 2.0 * jnp.tanh(y @ w)
-      return jnp.sum(y)
-    grads = jax.grad(loss)(ws)
-    updated = [_adam_step(*a) for a in zip(ws, ms, vs, grads)]
-    return tuple(tuple(u[k] for u in updated) for k in range(3))
-
-  weights = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 4
-  program = flatten(jax.make_jaxpr(step)(
-      weights, weights, weights, jax.ShapeDtypeStruct((65536, 256),
-                                                      jnp.float32)))
-  program = updates_at_gradients(dataclasses.replace(
-      program, donated=tuple(range(12))))
-  liveness = analyse(program)
-  buffers = analyse_fusion(program, liveness).materialized
-  state = _state.host_state(program, liveness,
-                            _state.state_pairs(program, range(12)))
-  rewritten, _, _ = _state.keep_state_on_host(
-      program, state, target=TARGETS["h100"])
-  tied = [e.inputs[-1] for e in rewritten.equations
-          if e.primitive is _compat.barrier_p
-          and not _compat.is_host_aval(rewritten.avals[e.inputs[-1]])]
-  assert len(tied) >= 4
-  assert all(v < len(program.avals) and buffers[v] for v in tied)
 
 
 def test_a_python_loop_stack_with_pinned_state_equals_jax_jit(
