@@ -108,7 +108,7 @@ class _Problem:
 
   def __init__(self, program: Program, liveness: Liveness, fusion: Fusion,
                target: GpuTarget, min_bytes: int, residuals=(),
-               state_copies=()):
+               state_copies=(), split: int = 1):
     self.program, self.liveness, self.fusion = program, liveness, fusion
     self.residuals = residuals
     self.state_copies = state_copies
@@ -117,7 +117,7 @@ class _Problem:
     # start[i]: compute seconds before equation i starts, without copies.
     self.start = np.concatenate([[0.0], np.cumsum(self.kernel_s)])
     # What every simulation of this program shares, reckoned once.
-    self.constants = step_constants(program, liveness, fusion)
+    self.constants = step_constants(program, liveness, fusion, split)
     self.min_bytes = min_bytes
     self.host_budget: int | None = None
     self.host_scale = 1.0  # one GPU's pinned pool per byte of host_budget
@@ -319,10 +319,11 @@ class Fitter:
                target: GpuTarget, min_bytes: int = 1 << 20,
                fusion: Fusion | None = None, residuals=(),
                host_budget_bytes: int | None = None, state_copies=(),
-               host_scale: float = 1.0):
+               host_scale: float = 1.0, split: int = 1):
     self.program, self.liveness, self.target = program, liveness, target
     self.min_bytes = min_bytes
     self.host_budget_bytes, self.host_scale = host_budget_bytes, host_scale
+    self.split = split
     self._arguments = (fusion, residuals, state_copies)
     self._greedy: _Greedy | None = None
 
@@ -367,7 +368,7 @@ class Fitter:
     if fusion is None:
       fusion = analyse_fusion(program, liveness)
     problem = _Problem(program, liveness, fusion, self.target,
-                       self.min_bytes, residuals, state_copies)
+                       self.min_bytes, residuals, state_copies, self.split)
     problem.host_budget = host_budget = self.host_budget_bytes
     problem.host_scale = host_scale = self.host_scale
     baseline = problem.simulate(())

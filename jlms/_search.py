@@ -1277,7 +1277,7 @@ def fitter_of(request: SearchRequest, placed, time, min_bytes: int,
   fitter = Fitter(placed.program, placed.liveness, time, min_bytes,
                   placed.fusion, residuals, host_budget,
                   state_copies=placed.state_copies,
-                  host_scale=request.host_scale)
+                  host_scale=request.host_scale, split=request.split)
   # One fitter per time model and host budget: a new one replaces the one
   # that cannot continue.
   kept[:] = [(held, f) for held, f in kept

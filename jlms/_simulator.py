@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from jlms import _compat, _rules
+from jlms._gathered import whole_weight_holds
 from jlms._liveness import Liveness, analyse, aval_nbytes, is_expansion
 from jlms._planner import Offload
 from jlms._program import Program, donation_pairs, flatten
@@ -517,20 +518,26 @@ class StepConstants:
   # they took a fifth of each simulation of a 9108-equation step).
   nbytes: np.ndarray
   producer: np.ndarray
+  # Bytes per equation of the weights XLA holds gathered on every device
+  # of a sharded step (`jlms._gathered`); zeros on one device.
+  held_whole: np.ndarray | None = None
   # id(offload) -> (offload, its device and host memory events): a fit
   # simulates the same chosen offloads round after round.
   offload_events: dict = dataclasses.field(default_factory=dict)
 
 
 def step_constants(program: Program, liveness: Liveness,
-                   fusion: Fusion) -> StepConstants:
+                   fusion: Fusion, split: int = 1) -> StepConstants:
+  """`split`: how many times one device's bytes the program's sizes are
+  (`jlms._sharding.unseen_split`), for the weights XLA holds gathered."""
   return StepConstants(output_donors(program, liveness, fusion),
                        fixed_bytes(program, liveness),
                        body_working_bytes(program),
                        _host_buffers(program, liveness),
                        carries_in_place(program, liveness, fusion),
                        np.asarray(liveness.nbytes, dtype=np.int64),
-                       np.array(liveness.producer, dtype=np.int64))
+                       np.array(liveness.producer, dtype=np.int64),
+                       whole_weight_holds(program, liveness, split))
 
 
 def _host_buffers(program: Program, liveness: Liveness
@@ -652,6 +659,8 @@ def simulate(program: Program, liveness: Liveness,
     working = constants.working
   device_bytes[:n] += (body_working_bytes(program) if working is None
                        else working)
+  if constants is not None and constants.held_whole is not None:
+    device_bytes += constants.held_whole
   host_bytes = np.cumsum(host)[: n + 1]
   peak_index = int(np.argmax(device_bytes))
   return MemoryTimeline(
